@@ -1,0 +1,191 @@
+"""Deterministic small Qwen4-Exp checkpoints in the real Hugging Face format.
+
+No real checkpoint can be downloaded here, so tests, benchmarks and the quick start use small
+models built with transformers' own Qwen4-Exp classes and saved with ``save_pretrained`` (PLE
+tables in ``ngram_embedding.shard_{i}`` files, hash buffers, per-expert weights), plus a
+byte-level BPE tokenizer trained locally with a ChatML chat template and an EOS token.
+
+Usage: ``python -m model.checkpoints --preset tiny --out checkpoints/tiny``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+PRESETS: dict[str, dict] = {
+    # The quick-start and test default (~2M parameters): 3 GDN layers + 1 QSA layer, 2 PLE layers.
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        hc_count=2,
+        hc_lowrank=16,
+        ple_layer_ids=[1, 2],
+        ple_embed_dim=128,
+        ngram_size=3,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=1000,
+        make_ngram_vocab_size_divisible_by=8,
+        split_ngram_parts=4,
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=64,
+        indexer_budget=16,
+        indexer_compress_ratio=4,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    # Different shapes everywhere, so no code depends on one: 8 layers (2 QSA), 4 streams,
+    # 3 PLE layers with 4-grams, GQA 4:1 with partial RoPE, a larger budget and compression,
+    # sigmoid output gate, PLE shards of unequal size.
+    "wide": dict(
+        vocab_size=512,
+        hidden_size=192,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=96,
+        shared_expert_intermediate_size=64,
+        hc_count=4,
+        hc_lowrank=24,
+        ple_layer_ids=[1, 2, 5],
+        ple_embed_dim=192,
+        ngram_size=4,
+        heads_per_ngram=2,
+        ngram_vocab_size_base=1500,
+        make_ngram_vocab_size_divisible_by=16,
+        split_ngram_parts=3,
+        indexer_n_heads=4,
+        indexer_kv_heads=1,
+        indexer_head_dim=96,
+        indexer_budget=32,
+        indexer_compress_ratio=8,
+        output_gate_type="sigmoid",
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+    ),
+}
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+Serving large language models needs memory for weights, for the key value cache and for activations.
+Four graphics cards share the work: each holds a slice of every matrix and they sum their results.
+Linear attention keeps a fixed size state per request, while full attention keeps every past key.
+Sparse attention picks the most useful blocks of keys for each query and skips the rest.
+Hashed n-gram tables add lexical memory to the model without making every layer wider.
+The cache stores eight bit floating point numbers with a scale chosen from calibration data.
+Once upon a time there was a small model that learned to count: one, two, three, four, five, six.
+Hello! How are you today? I am fine, thank you. What is the weather like? It is sunny and warm.
+def add(a, b): return a + b. for i in range(10): print(i). import torch; x = torch.zeros(4, 4).
+"""
+
+
+def build_tokenizer(vocab_size: int, out: Path) -> dict[str, int]:
+    """Train a byte-level BPE on the built-in corpus and save it with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.model_max_length = 4096
+    fast.save_pretrained(out)
+    return {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+
+
+def _randomize(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Give every parameter a non-trivial value.
+
+    transformers initialises zero-centred norms and the PLE conv to zero, which would leave
+    those code paths untested; larger random weights also make greedy decoding decisive.
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log") or name.endswith("dt_bias"):
+                continue
+            if param.ndim == 1:
+                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+            else:
+                fan_in = param.shape[-1]
+                param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
+
+
+def make_checkpoint(preset: str, out: str | Path, seed: int = 0) -> Path:
+    from transformers import GenerationConfig, Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = dict(PRESETS[preset])
+    ids = build_tokenizer(spec["vocab_size"] - 12, out)
+    config = Qwen4ExpTextConfig(
+        **spec,
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen4ExpForCausalLM(config)
+    _randomize(model, torch.Generator().manual_seed(seed))
+    model = model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]
+    )
+    model.save_pretrained(out)
+    (out / "PRESET").write_text(json.dumps({"preset": preset, "seed": seed}) + "\n")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(make_checkpoint(args.preset, args.out, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Gated full attention with QSA sparse token selection, as a vLLM module.
+
+``QSACache`` is the layer vLLM sees: it declares one paged cache per QSA layer whose rows hold,
+per token, the attention key and value of every KV head and the raw indexer key
+(``[K | V | index key]``, one "head" of ``2 * kv_heads * head_dim + index_dim`` channels), and it
+writes new tokens into the slots vLLM assigns. ``Qwen4ExpQSAAttention`` owns the projections and
+norms and runs, for every query: block scoring over the mean-pooled index keys, top-k selection
+plus the incomplete tail, and attention over the selected tokens only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+
+from model.ops.qsa_indexer import pooled_block_keys, select_tokens
+from model.ops.qsa_sparse_attention import sparse_paged_attention_ref
+from model.ops.rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+from .hyper_connection import ZeroCenteredRMSNorm
+from .step_metadata import StepMetadataBackend, step_metadata
+
+
+def register_layer(vllm_config: VllmConfig, name: str, layer: nn.Module) -> None:
+    context = vllm_config.compilation_config.static_forward_context
+    if name in context:
+        raise ValueError(f"Duplicate layer name: {name}")
+    context[name] = layer
+
+
+class QSACache(nn.Module, AttentionLayerBase):
+    """The paged per-token cache of one QSA layer."""
+
+    def __init__(self, *, kv_heads: int, head_dim: int, index_dim: int, dtype: torch.dtype, prefix: str):
+        super().__init__()
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.index_dim = index_dim
+        self.dtype = dtype
+        self.prefix = prefix
+        self.kv_width = kv_heads * head_dim
+        self.row_width = 2 * self.kv_width + index_dim
+        self.kv_cache = torch.tensor([])
+        vllm_config = get_current_vllm_config()
+        self.block_size = vllm_config.cache_config.block_size
+        register_layer(vllm_config, prefix, self)
+
+    def get_attn_backend(self):
+        return StepMetadataBackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        return FullAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=1,
+            head_size=self.row_width,
+            head_size_v=0,
+            dtype=self.dtype,
+        )
+
+    def rows(self) -> torch.Tensor:
+        """The cache as ``[num_blocks, block_size, row_width]``."""
+        return self.kv_cache[:, 0]
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor) -> None:
+        flat = self.rows().reshape(-1, self.row_width)
+        keep = slots >= 0
+        row = torch.cat([k.flatten(1), v.flatten(1), index_k], dim=-1).to(self.dtype)
+        flat[slots[keep]] = row[keep]
+
+    def key_view(self) -> torch.Tensor:
+        rows = self.rows()
+        return rows[..., : self.kv_width].unflatten(-1, (self.kv_heads, self.head_dim))
+
+    def value_view(self) -> torch.Tensor:
+        rows = self.rows()
+        return rows[..., self.kv_width : 2 * self.kv_width].unflatten(-1, (self.kv_heads, self.head_dim))
+
+    def index_keys(self, block_row: torch.Tensor, length: int) -> torch.Tensor:
+        """Raw index keys ``[length, index_dim]`` of one request, in token order."""
+        pages = block_row[: (length + self.block_size - 1) // self.block_size].long()
+        rows = self.rows()[pages, :, 2 * self.kv_width :].reshape(-1, self.index_dim)
+        return rows[:length]
+
+
+class Qwen4ExpQSAAttention(nn.Module):
+    def __init__(self, config, vllm_config: VllmConfig, prefix: str) -> None:
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // tp
+        self.total_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = max(1, self.total_kv_heads // tp)
+        self.index_heads = config.indexer_n_heads
+        self.index_dim = config.indexer_head_dim
+        self.budget = config.indexer_budget
+        self.ratio = config.indexer_compress_ratio
+        self.scale = self.head_dim**-0.5
+        eps = config.rms_norm_eps
+        rope = config.rope_parameters or {}
+        rotary_dim = int(self.head_dim * rope.get("partial_rotary_factor", 1.0))
+        self.register_buffer(
+            "inv_freq",
+            inverse_frequencies(rotary_dim, float(rope.get("rope_theta", 10000.0))),
+            persistent=False,
+        )
+        # q_proj interleaves [query | output gate] per head, so it is 2x heads of head_dim.
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            2 * config.num_attention_heads,
+            self.total_kv_heads,
+            bias=False,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=False,
+            prefix=f"{prefix}.o_proj",
+        )
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps)
+        self.indexer = QSAIndexer(config, prefix=f"{prefix}.indexer")
+        self.attn = QSACache(
+            kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            index_dim=self.index_dim,
+            dtype=vllm_config.model_config.dtype,
+            prefix=f"{prefix}.attn",
+        )
+
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv, _ = self.qkv_proj(hidden_states)
+        q_width = 2 * self.num_heads * self.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        q_gate, k, v = qkv.split([q_width, kv_width, kv_width], dim=-1)
+        q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, hidden_states.dtype)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        index_q, index_k = self.indexer(hidden_states, cos, sin)
+
+        out = self._attend(q, k, v, index_q, index_k, positions)
+        out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
+        out, _ = self.o_proj(out)
+        return out
+
+    def _attend(self, q, k, v, index_q, index_k, positions) -> torch.Tensor:
+        meta = step_metadata(self.attn.prefix)
+        if meta is None:  # profiling run: no cache bound to real requests
+            return torch.zeros_like(q)
+        cache = self.attn
+        cache.write(meta.slot_mapping, k, v, index_k)
+        num_tokens = q.shape[0]
+        width = self.budget + self.ratio - 1
+        selected = torch.full((num_tokens, width), -1, dtype=torch.int32, device=q.device)
+        num_selected = torch.zeros(num_tokens, dtype=torch.int32, device=q.device)
+        token_req = torch.empty(num_tokens, dtype=torch.int32, device=q.device)
+        qsl = meta.query_start_loc.tolist()
+        for r in range(meta.num_reqs):
+            start, end = qsl[r], qsl[r + 1]
+            if end == start:
+                continue
+            token_req[start:end] = r
+            keys = cache.index_keys(meta.block_table[r], int(meta.seq_lens[r]))
+            block_keys = pooled_block_keys(
+                keys, self.ratio, self.indexer.k_layernorm.weight, self.indexer.k_layernorm.eps, self.inv_freq
+            )
+            sel, count = select_tokens(
+                index_q[start:end], positions[start:end], block_keys, self.budget, self.ratio
+            )
+            selected[start:end] = sel
+            num_selected[start:end] = count
+        return sparse_paged_attention_ref(
+            q,
+            cache.key_view(),
+            cache.value_view(),
+            meta.block_table,
+            token_req,
+            selected,
+            num_selected,
+            self.scale,
+        )
+
+
+class QSAIndexer(nn.Module):
+    """Projects the index queries (several heads) and the single index key of every token."""
+
+    def __init__(self, config, prefix: str) -> None:
+        super().__init__()
+        self.heads = config.indexer_n_heads
+        self.dim = config.indexer_head_dim
+        # Replicated on every rank: selection must be identical across tensor-parallel ranks.
+        self.index_qk_proj = ReplicatedLinear(
+            config.hidden_size, (self.heads + 1) * self.dim, bias=False, prefix=f"{prefix}.index_qk_proj"
+        )
+        self.q_layernorm = ZeroCenteredRMSNorm(self.dim, config.rms_norm_eps)
+        self.k_layernorm = ZeroCenteredRMSNorm(self.dim, config.rms_norm_eps)
+
+    def forward(self, hidden_states, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        qk, _ = self.index_qk_proj(hidden_states)
+        q, k = qk.split([self.heads * self.dim, self.dim], dim=-1)
+        q = self.q_layernorm(q.view(-1, self.heads, self.dim))
+        return apply_rope(q, cos, sin), k

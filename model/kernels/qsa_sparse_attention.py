@@ -10,8 +10,9 @@ FP8 caches hold ``uint8`` codes. The target GPU (RTX 3090, sm_86) has no FP8 sup
 rejects ``tl.float8*`` there, so codes are widened with integer bit moves to an FP16 pattern that
 equals ``value * 2**-8`` (E4M3; see ``model.ops.fp8_e4m3``) or ``value`` (E5M2). The ``2**8`` is
 folded, together with ``k_scale``, into the logit scale and, with ``v_scale``, into the epilogue,
-so decoding costs no float multiply. ``model.ops.qsa_sparse_attention.sparse_paged_attention_ref``
-is the specification.
+so decoding costs no float multiply. With an FP8 cache both MMAs run in FP16 (q is cast to FP16, so
+|q| must stay below 65504; P is rounded to FP16); with a BF16 cache they run in BF16 (an fp32 q is
+cast to BF16). ``model.ops.qsa_sparse_attention.sparse_paged_attention_ref`` is the specification.
 
 Split-K (``num_splits > 1``) divides each token's selection into contiguous chunks whose partial
 ``(max, sum, acc)`` a second kernel merges; it keeps the GPU busy when a decode batch has few

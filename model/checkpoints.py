@@ -62,8 +62,8 @@ PRESETS: dict[str, dict] = {
         head_dim=128,
         linear_num_key_heads=2,
         linear_num_value_heads=6,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
         num_experts=8,
         num_experts_per_tok=3,
         moe_intermediate_size=96,
@@ -152,7 +152,44 @@ def _randomize(model: torch.nn.Module, generator: torch.Generator) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
 
 
-def make_checkpoint(preset: str, out: str | Path, seed: int = 0) -> Path:
+def _dense_indexer_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values):
+    """The indexer's mask when every visible token is selected (true whenever seq_len <= budget)."""
+    return attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+
+
+def train_briefly(model, tokenizer, steps: int, seq_len: int, seed: int) -> list[float]:
+    """A few hundred Adam steps on the built-in corpus, so greedy decoding is decisive.
+
+    Random weights give nearly flat next-token distributions, where bf16 rounding alone flips the
+    argmax and a token-for-token comparison says nothing. Training uses windows no longer than the
+    QSA budget, where the reference indexer selects every visible token, so its per-query Python
+    loop can be replaced by the equivalent dense mask without changing the model.
+    """
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as reference
+
+    ids = torch.tensor(tokenizer(CORPUS * 4)["input_ids"])
+    gen = torch.Generator().manual_seed(seed)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    original = reference.Qwen4ExpTextQSAIndexer.forward
+    reference.Qwen4ExpTextQSAIndexer.forward = _dense_indexer_forward
+    losses = []
+    try:
+        model.train()
+        for _ in range(steps):
+            starts = torch.randint(0, ids.numel() - seq_len - 1, (16,), generator=gen)
+            batch = torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
+            loss = model(input_ids=batch, labels=batch).loss
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            losses.append(loss.item())
+    finally:
+        reference.Qwen4ExpTextQSAIndexer.forward = original
+        model.eval()
+    return losses
+
+
+def make_checkpoint(preset: str, out: str | Path, seed: int = 0, train_steps: int = 80) -> Path:
     from transformers import GenerationConfig, Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
     out = Path(out)
@@ -169,12 +206,21 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = Qwen4ExpForCausalLM(config)
     _randomize(model, torch.Generator().manual_seed(seed))
+    if train_steps:
+        from transformers import AutoTokenizer
+
+        losses = train_briefly(
+            model, AutoTokenizer.from_pretrained(out), train_steps, config.indexer_budget, seed
+        )
+        print(f"trained {train_steps} steps: loss {losses[0]:.2f} -> {sum(losses[-10:]) / 10:.2f}")
     model = model.to(torch.bfloat16)
     model.generation_config = GenerationConfig(
         eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]
     )
     model.save_pretrained(out)
-    (out / "PRESET").write_text(json.dumps({"preset": preset, "seed": seed}) + "\n")
+    (out / "PRESET").write_text(
+        json.dumps({"preset": preset, "seed": seed, "train_steps": train_steps}) + "\n"
+    )
     return out
 
 
@@ -183,8 +229,9 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-steps", type=int, default=80)
     args = parser.parse_args()
-    print(make_checkpoint(args.preset, args.out, args.seed))
+    print(make_checkpoint(args.preset, args.out, args.seed, args.train_steps))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from vllm.distributed import (
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from model.metrics import ple_table_bytes, tp_rank
 from model.ops.ngram_hash import NgramLayout, next_context, ngram_layout, ngram_row_ids, token_windows
 from model.ops.ple import dilated_causal_conv, ple_gated_values
 
@@ -102,7 +103,7 @@ class NgramTable(nn.Module):
     can replace the device-resident parameter without touching the layer.
     """
 
-    def __init__(self, config, ple_index: int) -> None:
+    def __init__(self, config, ple_index: int, layer_name: str) -> None:
         super().__init__()
         self.layout = layout_for(config, ple_index)
         heads = self.layout.num_heads
@@ -116,6 +117,12 @@ class NgramTable(nn.Module):
         )
         self.split_parts = config.split_ngram_parts
         self.shards_loaded: set[int] = set()
+        self.layer_name = layer_name
+
+    def export_metrics(self) -> None:
+        storage = "cpu" if self.weight.device.type == "cpu" else "device"
+        nbytes = self.weight.numel() * self.weight.element_size()
+        ple_table_bytes().labels(layer=self.layer_name, rank=tp_rank(), storage=storage).set(nbytes)
 
     @property
     def shard_rows(self) -> int:
@@ -185,7 +192,7 @@ class Qwen4ExpPLE(nn.Module):
         self.norm_query = ZeroCenteredRMSNorm(width, self.eps, self.hidden_size)
         self.norm_conv = ZeroCenteredRMSNorm(width, self.eps, self.hidden_size)
         self.conv1d = WeightOnly(width, 1, config.ple_conv_kernel_size)
-        self.ple_embedding = NgramTable(config, ple_index)
+        self.ple_embedding = NgramTable(config, ple_index, layer_name=prefix)
         self.state = PLEState(config, vllm_config.model_config.dtype, prefix=f"{prefix}.state")
         self.tp_size = get_tensor_model_parallel_world_size()
 

@@ -109,6 +109,21 @@ def ngram_layout(
     )
 
 
+def layout_from_config(config, ple_layer_index: int) -> NgramLayout:
+    """The layout of PLE layer number ``ple_layer_index`` (0-based among PLE layers) of a HF config."""
+    eos = config.eos_token_id
+    return ngram_layout(
+        vocab_size=config.vocab_size,
+        ngram_size=config.ngram_size,
+        heads_per_ngram=config.heads_per_ngram,
+        ngram_vocab_size_base=config.ngram_vocab_size_base,
+        vocab_divisor=config.make_ngram_vocab_size_divisible_by,
+        seed=config.seed,
+        eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
+        ple_layer_index=ple_layer_index,
+    )
+
+
 def token_windows(tokens: torch.Tensor, context: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
     """``windows[t, j]`` = the token ``j`` places before token ``t`` (``j = 0`` is ``t`` itself).
 

@@ -5,23 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.ops.ngram_hash import next_context, ngram_layout, ngram_row_ids, token_windows
+from model.ops.ngram_hash import layout_from_config, next_context, ngram_row_ids, token_windows
 from model.ops.ple import dilated_causal_conv, ple_gated_values
 
 from .helpers import preset_config, randomize, tokens_with_eos
-
-
-def _layout(config, ple_index):
-    return ngram_layout(
-        vocab_size=config.vocab_size,
-        ngram_size=config.ngram_size,
-        heads_per_ngram=config.heads_per_ngram,
-        ngram_vocab_size_base=config.ngram_vocab_size_base,
-        vocab_divisor=config.make_ngram_vocab_size_divisible_by,
-        seed=config.seed,
-        eos_token_id=2,
-        ple_layer_index=ple_index,
-    )
 
 
 def _chunked_rows(ids: torch.Tensor, layout, chunks: list[int]) -> torch.Tensor:
@@ -45,7 +32,7 @@ def test_hash_layout_matches_reference_buffers(preset, ple_index):
 
     config = preset_config(preset)
     ref = Qwen4ExpTextNGramEmbedding(config, config.ple_embed_dim, layer_idx=0, ple_layer_index=ple_index)
-    layout = _layout(config, ple_index)
+    layout = layout_from_config(config, ple_index)
     assert list(layout.multipliers) == ref.layer_multipliers.tolist()
     assert list(layout.head_vocab_sizes) == ref.ngram_heads_vocab_sizes.tolist()
     assert list(layout.head_offsets) == ref.ngram_heads_offsets.tolist()
@@ -61,14 +48,14 @@ def test_ngram_embeddings_match_reference_across_steps(preset, chunks):
     ref = randomize(Qwen4ExpTextNGramEmbedding(config, config.ple_embed_dim, layer_idx=0, ple_layer_index=1))
     ids = tokens_with_eos(57, config.vocab_size, 2, seed=len(chunks))
     expected = ref(ids.unsqueeze(0), None)[0]
-    rows = _chunked_rows(ids, _layout(config, 1), chunks)
+    rows = _chunked_rows(ids, layout_from_config(config, 1), chunks)
     got = ref.ngram_embedding.weight[rows].flatten(-2)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_batched_requests_hash_independently():
     config = preset_config("wide")
-    layout = _layout(config, 0)
+    layout = layout_from_config(config, 0)
     a, b = tokens_with_eos(30, config.vocab_size, 2, 1), tokens_with_eos(11, config.vocab_size, 2, 2)
     ctx = torch.full((2, layout.context_len), 2, dtype=torch.long)
     ctx[1] = torch.tensor([7, 8, 9])  # request b continues after three earlier tokens
@@ -96,7 +83,7 @@ def test_ple_layer_matches_reference(preset, dtype):
     with torch.no_grad():
         expected = ref(streams, ids.unsqueeze(0), None)[0]
 
-    layout = _layout(config, 0)
+    layout = layout_from_config(config, 0)
     state_len = (config.ple_conv_kernel_size - 1) * config.ngram_size
     conv_state = torch.zeros(state_len, width, dtype=dtype)
     table = ref.ple_embedding.ngram_embedding.weight

@@ -6,9 +6,23 @@ per token, the attention key and value of every KV head and the raw indexer key
 writes new tokens into the slots vLLM assigns. ``Qwen4ExpQSAAttention`` owns the projections and
 norms and runs, for every query: block scoring over the mean-pooled index keys, top-k selection
 plus the incomplete tail, and attention over the selected tokens only.
+
+KV cache formats (vLLM's ``--kv-cache-dtype``): ``auto``/the model dtype keep one row of
+``2 * kv_heads * head_dim + index_dim`` elements in the model dtype. ``fp8``/``fp8_e4m3`` make the
+page ``uint8``: per token ``[K codes | V codes | index key bytes]``, where K and V are E4M3 codes of
+``value / scale`` (static per-layer scales, ``model.qsa_kv``) and the index key keeps the model
+dtype, stored as its raw bytes and read back through ``Tensor.view(dtype)``. Keeping the index key
+in the same row (rather than a second cache spec) keeps one page, one block table and one write per
+layer: a second spec with a much smaller page would become its own KV-cache group with a different
+block size, its own metadata, and on vLLM 0.32 a larger scheduler block (see vllm-internals.md). The
+index key stays unquantised because block selection ranks mean-pooled keys and should not move with
+the cache format. The attention reads codes with the Triton kernel on CUDA (sm_86+) and with the
+torch reference on vLLM's CPU build; both fold the scales in.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -18,9 +32,13 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
+from model.kernels import qsa_sparse_attention as qsa_kernel
 from model.ops.qsa_indexer import pooled_block_keys, select_tokens
 from model.ops.qsa_sparse_attention import sparse_paged_attention_ref
 from model.ops.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from model.qsa_kv import ops as kv_ops
+from model.qsa_kv.settings import FP8_E4M3, QSAKVConfigError, QSAKVSettings, resolve_kv_format
+from model.qsa_kv.state import QSAKVState
 
 from .hyper_connection import ZeroCenteredRMSNorm
 from .step_metadata import StepMetadataBackend, step_metadata
@@ -33,10 +51,49 @@ def register_layer(vllm_config: VllmConfig, name: str, layer: nn.Module) -> None
     context[name] = layer
 
 
-class QSACache(nn.Module, AttentionLayerBase):
-    """The paged per-token cache of one QSA layer."""
+def qsa_layer_names(prefix: str, layer_types: Sequence[str]) -> list[str]:
+    """Prefixes of every QSA layer of the whole model, derived from one layer's own prefix.
 
-    def __init__(self, *, kv_heads: int, head_dim: int, index_dim: int, dtype: torch.dtype, prefix: str):
+    A decoder layer is QSA unless its ``layer_types`` entry is ``linear_attention`` (see
+    ``model.py``). vLLM asserts that a layer name holds exactly one integer, the layer index, so
+    substituting it gives the other layers' names whatever the outer prefix is.
+    """
+    parts = prefix.split(".")
+    digits = [i for i, part in enumerate(parts) if part.isdigit()]
+    if len(digits) != 1:
+        raise ValueError(f"cannot find the layer index in QSA layer prefix {prefix!r}")
+    at = digits[0]
+    names = []
+    for index, kind in enumerate(layer_types):
+        if kind != "linear_attention":
+            names.append(".".join([*parts[:at], str(index), *parts[at + 1 :]]))
+    return names
+
+
+def _eager(vllm_config: VllmConfig) -> bool:
+    """Whether the forward runs eagerly: no CUDA graphs and no torch.compile of the model."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    if vllm_config.model_config.enforce_eager:
+        return True
+    cc = vllm_config.compilation_config
+    return cc.mode in (None, CompilationMode.NONE) and cc.cudagraph_mode in (None, CUDAGraphMode.NONE)
+
+
+class QSACache(nn.Module, AttentionLayerBase):
+    """The paged per-token cache of one QSA layer (model dtype, or uint8 rows for an FP8 cache)."""
+
+    def __init__(
+        self,
+        *,
+        kv_heads: int,
+        head_dim: int,
+        index_dim: int,
+        dtype: torch.dtype,
+        prefix: str,
+        layer_name: str | None = None,
+        all_layer_names: Sequence[str] | None = None,
+    ):
         super().__init__()
         self.kv_heads = kv_heads
         self.head_dim = head_dim
@@ -44,11 +101,43 @@ class QSACache(nn.Module, AttentionLayerBase):
         self.dtype = dtype
         self.prefix = prefix
         self.kv_width = kv_heads * head_dim
-        self.row_width = 2 * self.kv_width + index_dim
         self.kv_cache = torch.tensor([])
         vllm_config = get_current_vllm_config()
+        cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        self.kv_format = resolve_kv_format(cache_dtype, dtype)
+        self.quantized = self.kv_format == FP8_E4M3
+        # FP8: one byte per K/V element; the index key keeps the model dtype as raw bytes.
+        self.storage_dtype = torch.uint8 if self.quantized else dtype
+        index_width = index_dim * dtype.itemsize if self.quantized else index_dim
+        self.index_offset = 2 * self.kv_width
+        self.row_width = self.index_offset + index_width
         self.block_size = vllm_config.cache_config.block_size
+        self.use_kernel = self._choose_kernel(vllm_config, cache_dtype)
+        layer_name = layer_name or prefix
+        self.kv_state = QSAKVState(
+            layer_name=layer_name,
+            kv_format=self.kv_format,
+            settings=QSAKVSettings.from_env(),
+            expected_layers=list(all_layer_names) if all_layer_names is not None else [layer_name],
+            eager=_eager(vllm_config),
+            model=str(vllm_config.model_config.model),
+            cache_dtype=cache_dtype,
+        )
         register_layer(vllm_config, prefix, self)
+
+    def _choose_kernel(self, vllm_config: VllmConfig, cache_dtype: str) -> bool:
+        """Triton kernel on CUDA sm_86+, torch reference on the CPU; FP8 elsewhere cannot start."""
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return False
+        ok, why = qsa_kernel.is_supported(vllm_config.device_config.device)
+        if not ok and self.quantized:
+            raise QSAKVConfigError(
+                f"--kv-cache-dtype {cache_dtype} for Qwen4-Exp QSA layers needs the Triton QSA kernel "
+                f"(CUDA, compute capability >= 8.6) or vLLM's CPU build, and it cannot run here: {why}"
+            )
+        return ok
 
     def get_attn_backend(self):
         return StepMetadataBackend
@@ -59,18 +148,34 @@ class QSACache(nn.Module, AttentionLayerBase):
             num_kv_heads=1,
             head_size=self.row_width,
             head_size_v=0,
-            dtype=self.dtype,
+            dtype=self.storage_dtype,
         )
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """vLLM's post-load hook: set the static scales before warm-up and any graph capture."""
+        self.kv_state.apply()
 
     def rows(self) -> torch.Tensor:
         """The cache as ``[num_blocks, block_size, row_width]``."""
         return self.kv_cache[:, 0]
 
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor) -> None:
-        flat = self.rows().reshape(-1, self.row_width)
-        keep = slots >= 0
-        row = torch.cat([k.flatten(1), v.flatten(1), index_k], dim=-1).to(self.dtype)
-        flat[slots[keep]] = row[keep]
+    def write(
+        self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor
+    ) -> None:
+        """Store the rows of this step's tokens; rows without a slot (padding, slot < 0) are skipped.
+
+        Statistics (clip counts, calibration absmax) are taken from the pre-quantisation K/V of the
+        same rows, in place on the device (``model.qsa_kv.ops``), so the step never waits for the host.
+        """
+        slots = kv_ops.slots_for_rows(slot_mapping, k.shape[0])
+        self.kv_state.observe(k, v, slots)
+        if self.quantized:
+            k_codes, v_codes = self.kv_state.encode(k, v)
+            index_bytes = index_k.to(self.dtype).contiguous().view(torch.uint8)
+            row = torch.cat([k_codes.flatten(1), v_codes.flatten(1), index_bytes], dim=-1)
+        else:
+            row = torch.cat([k.flatten(1), v.flatten(1), index_k], dim=-1).to(self.dtype)
+        kv_ops.scatter_rows_(self.rows(), slots, row)
 
     def key_view(self) -> torch.Tensor:
         rows = self.rows()
@@ -80,11 +185,34 @@ class QSACache(nn.Module, AttentionLayerBase):
         rows = self.rows()
         return rows[..., self.kv_width : 2 * self.kv_width].unflatten(-1, (self.kv_heads, self.head_dim))
 
+    def index_view(self) -> torch.Tensor:
+        """Raw index keys ``[num_blocks, block_size, index_dim]`` in the model dtype."""
+        tail = self.rows()[..., self.index_offset :]
+        return tail.view(self.dtype) if self.quantized else tail
+
     def index_keys(self, block_row: torch.Tensor, length: int) -> torch.Tensor:
         """Raw index keys ``[length, index_dim]`` of one request, in token order."""
         pages = block_row[: (length + self.block_size - 1) // self.block_size].long()
-        rows = self.rows()[pages, :, 2 * self.kv_width :].reshape(-1, self.index_dim)
+        rows = self.index_view()[pages].reshape(-1, self.index_dim)
         return rows[:length]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        block_table: torch.Tensor,
+        token_req: torch.Tensor,
+        selected: torch.Tensor,
+        num_selected: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Sparse attention over this cache, dequantising FP8 codes with the layer's scales."""
+        kwargs: dict = {}
+        if self.quantized:
+            kwargs = dict(k_scale=self.kv_state.k_scale, v_scale=self.kv_state.v_scale, kv_format=FP8_E4M3)
+        args = (q, self.key_view(), self.value_view(), block_table, token_req, selected, num_selected, scale)
+        if self.use_kernel and q.is_cuda:
+            return qsa_kernel.sparse_paged_attention(*args, num_splits=None, **kwargs)
+        return sparse_paged_attention_ref(*args, **kwargs)
 
 
 class Qwen4ExpQSAAttention(nn.Module):
@@ -132,6 +260,8 @@ class Qwen4ExpQSAAttention(nn.Module):
             index_dim=self.index_dim,
             dtype=vllm_config.model_config.dtype,
             prefix=f"{prefix}.attn",
+            layer_name=prefix,
+            all_layer_names=qsa_layer_names(prefix, config.layer_types),
         )
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -180,16 +310,7 @@ class Qwen4ExpQSAAttention(nn.Module):
             )
             selected[start:end] = sel
             num_selected[start:end] = count
-        return sparse_paged_attention_ref(
-            q,
-            cache.key_view(),
-            cache.value_view(),
-            meta.block_table,
-            token_req,
-            selected,
-            num_selected,
-            self.scale,
-        )
+        return cache.attend(q, meta.block_table, token_req, selected, num_selected, self.scale)
 
 
 class QSAIndexer(nn.Module):

@@ -62,7 +62,7 @@ class StepMetadataBackend(AttentionBackend):
     """Backend of our own cache layers: metadata only, the layers compute in their forward."""
 
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16"]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16", "fp8", "fp8_e4m3"]
 
     @staticmethod
     def get_name() -> str:

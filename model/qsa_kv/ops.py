@@ -23,6 +23,18 @@ def slots_for_rows(slot_mapping: torch.Tensor, num_rows: int) -> torch.Tensor:
     return slots[:num_rows]
 
 
+def fp8_rows(
+    k_codes: torch.Tensor, v_codes: torch.Tensor, index_k: torch.Tensor, index_dtype: torch.dtype
+) -> torch.Tensor:
+    """Cache rows ``[T, 2 * Hkv * D + index_dim * itemsize]`` (uint8) of an FP8 QSA cache.
+
+    K and V are E4M3 codes; the index key keeps ``index_dtype`` and is stored as its raw bytes, so
+    the reader recovers it exactly with ``Tensor.view(index_dtype)``.
+    """
+    index_bytes = index_k.to(index_dtype).contiguous().view(torch.uint8)
+    return torch.cat([k_codes.flatten(1), v_codes.flatten(1), index_bytes], dim=-1)
+
+
 def scatter_rows_(cache_rows: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """``cache_rows[slot // B, slot % B] = rows[t]`` for every ``slots[t] >= 0``, with static shapes.
 

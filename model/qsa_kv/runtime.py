@@ -81,6 +81,8 @@ class QSAKVRuntime:
     def __init__(self) -> None:
         self.layers: dict[str, QSAKVState] = {}
         self._lock = threading.Lock()
+        self._poll_lock = threading.Lock()  # one clip read at a time (reader thread, tests, callers)
+        self._dump_lock = threading.Lock()  # periodic and at-exit dumps never interleave
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._clip_interval: float | None = None
@@ -133,6 +135,10 @@ class QSAKVRuntime:
 
     def poll_clips(self) -> dict[str, list[int]]:
         """Read the counters once, export increases, warn on new clips; returns per-layer [K, V] totals."""
+        with self._poll_lock:
+            return self._poll_clips()
+
+    def _poll_clips(self) -> dict[str, list[int]]:
         with self._lock:
             snapshot, order = self._clip_snapshot, list(self._clip_order)
         if snapshot is None or not order:
@@ -216,6 +222,10 @@ class QSAKVRuntime:
 
     def dump_calibration(self, final: bool = False) -> Path | None:
         """Write this rank's running absmax per layer (atomically); returns the file written."""
+        with self._dump_lock:
+            return self._dump_calibration(final)
+
+    def _dump_calibration(self, final: bool) -> Path | None:
         with self._lock:
             snapshot, order, path = self._collect_snapshot, list(self._collect_order), self.dump_path
         if snapshot is None or path is None:

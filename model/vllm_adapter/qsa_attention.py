@@ -171,8 +171,7 @@ class QSACache(nn.Module, AttentionLayerBase):
         self.kv_state.observe(k, v, slots)
         if self.quantized:
             k_codes, v_codes = self.kv_state.encode(k, v)
-            index_bytes = index_k.to(self.dtype).contiguous().view(torch.uint8)
-            row = torch.cat([k_codes.flatten(1), v_codes.flatten(1), index_bytes], dim=-1)
+            row = kv_ops.fp8_rows(k_codes, v_codes, index_k, self.dtype)
         else:
             row = torch.cat([k.flatten(1), v.flatten(1), index_k], dim=-1).to(self.dtype)
         kv_ops.scatter_rows_(self.rows(), slots, row)

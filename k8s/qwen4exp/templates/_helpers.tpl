@@ -1,0 +1,51 @@
+{{- define "qwen4exp.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "qwen4exp.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "qwen4exp.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "qwen4exp.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "qwen4exp.labels" -}}
+{{ include "qwen4exp.selectorLabels" . }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "qwen4exp.apiKeysSecret" -}}
+{{- .Values.apiKeys.existingSecret | default (printf "%s-api-keys" (include "qwen4exp.fullname" .)) -}}
+{{- end -}}
+
+{{- define "qwen4exp.sidecarConfigMap" -}}
+{{- .Values.sidecar.existingConfigMap | default (printf "%s-sidecar" (include "qwen4exp.fullname" .)) -}}
+{{- end -}}
+
+{{/* Values that must be set, checked once (Deployment template). */}}
+{{- define "qwen4exp.validate" -}}
+{{- if not .Values.model.hostPath -}}
+{{- $_ := required "model.existingClaim is required: the PVC that holds the checkpoint (or set model.hostPath)" .Values.model.existingClaim -}}
+{{- end -}}
+{{- if not .Values.apiKeys.existingSecret -}}
+{{- $_ := required "apiKeys.existingSecret or apiKeys.keys is required: the service refuses to run without API keys" (first .Values.apiKeys.keys) -}}
+{{- end -}}
+{{- if and .Values.sidecar.enabled (not .Values.sidecar.existingConfigMap) (not .Values.sidecar.kvScales) -}}
+{{- fail "sidecar.kvScales (or sidecar.existingConfigMap) is required while sidecar.enabled: the FP8 QSA KV cache needs per-layer scales (python -m model.qsa_kv.merge); or set sidecar.enabled=false and engine.kvCacheDtype=auto" -}}
+{{- end -}}
+{{- if and (eq (toString .Values.engine.kvCacheDtype) "fp8") (not .Values.sidecar.enabled) -}}
+{{- fail "engine.kvCacheDtype=fp8 needs the KV scales sidecar (sidecar.enabled=true)" -}}
+{{- end -}}
+{{- $minGrace := add .Values.preStopSleepSeconds .Values.engine.drainSeconds -}}
+{{- if le (int .Values.terminationGracePeriodSeconds) (int $minGrace) -}}
+{{- fail (printf "terminationGracePeriodSeconds (%v) must exceed preStopSleepSeconds + engine.drainSeconds (%v)" .Values.terminationGracePeriodSeconds $minGrace) -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,74 @@
+"""Build a vLLM engine on the CPU for a checkpoint and print, as JSON, what vLLM itself reports.
+
+vLLM's start-up log lines (e.g. "KV cache size: N tokens, Maximum concurrency ...") go to this
+process's output, where the test reads them.
+
+Run by ``test_planner_vs_vllm.py`` in a subprocess (one engine, isolated from the test process):
+the KV-cache config the engine core allocated (blocks, groups, per-layer specs), and the
+bytes of the parameters and PLE tables the worker holds.
+
+Usage: python -m tests.deploy.vllm_probe CHECKPOINT MAX_MODEL_LEN KV_CACHE_DTYPE
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    checkpoint, max_len, kv_dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: inspectable
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=checkpoint,
+        dtype="bfloat16",
+        kv_cache_dtype=kv_dtype,
+        max_model_len=max_len,
+        max_num_seqs=8,
+        enforce_eager=True,
+    )
+    out = llm.generate(["Hello! How are you today?"], SamplingParams(max_tokens=4, temperature=0))
+    core = llm.llm_engine.engine_core.engine_core
+    cfg = core.scheduler.kv_cache_config
+    worker = core.model_executor.driver_worker
+    worker = getattr(worker, "worker", worker)
+    model = worker.model_runner.model
+    tables = [
+        layer.ple.ple_embedding.storage.table_bytes()
+        for layer in model.model.layers
+        if getattr(layer, "ple", None) is not None
+    ]
+    groups = []
+    for g in cfg.kv_cache_groups:
+        s = g.kv_cache_spec
+        groups.append(
+            {
+                "type": type(s).__name__,
+                "layers": list(g.layer_names),
+                "block_size": s.block_size,
+                "page_size_bytes": s.page_size_bytes,
+                "real_page_size_bytes": getattr(s, "real_page_size_bytes", None),
+                "head_size": getattr(s, "head_size", None),
+                "dtype": str(getattr(s, "dtype", getattr(s, "dtypes", ""))),
+            }
+        )
+    print(
+        "PROBE_JSON="
+        + json.dumps(
+            {
+                "generated": out[0].outputs[0].text,
+                "num_blocks": cfg.num_blocks,
+                "groups": groups,
+                "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                "param_count": sum(p.numel() for p in model.parameters()),
+                "ple_table_bytes": tables,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The ASGI application: vLLM's OpenAI routes and handlers, plus our probes, metrics and guards.
+
+vLLM's routers and exception handlers are reused as they are (chat completions with SSE and
+usage, completions, models, tokenize/detokenize); their handler objects are attached to
+``app.state`` by vLLM's ``init_app_state`` once the engine is up. We add only what vLLM lacks:
+``/health``, ``/ready``, a multiprocess ``/metrics``, and the middlewares in ``guards``,
+``lifecycle``, ``errors`` and ``http_metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from argparse import Namespace
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp
+from vllm.entrypoints.openai.chat_completion.api_router import router as chat_router
+from vllm.entrypoints.openai.completion.api_router import router as completion_router
+from vllm.entrypoints.openai.models.api_router import router as models_router
+from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
+from vllm.entrypoints.serve.tokenize.api_router import router as tokenize_router
+
+from . import http_metrics
+from .engine import generate_one_token
+from .errors import ErrorShapeMiddleware, error_body
+from .guards import Admission, BearerAuth, BodyLimit
+from .lifecycle import Lifecycle, LifecycleGate, Phase
+from .settings import ServiceSettings
+
+log = logging.getLogger("service.app")
+
+# The vLLM routes we expose; its routers also carry batch/experimental routes we leave out.
+VLLM_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize"})
+GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+OWN_ROUTES = frozenset({"/health", "/ready", "/metrics"})
+
+
+class ReadyProbe:
+    """Answers "did a 1-token generation succeed recently?", running one when the last is stale.
+
+    Concurrent ``/ready`` calls share one probe. Real generation requests that succeed also count
+    (``Admission`` records them), so a busy server rarely needs to probe.
+    """
+
+    def __init__(self, lifecycle: Lifecycle, max_age: float, timeout: float) -> None:
+        self.lifecycle = lifecycle
+        self.max_age = max_age
+        self.timeout = timeout
+        self.engine: Any = None
+        self._lock = asyncio.Lock()
+        self.last_error: str | None = None
+
+    def fresh(self) -> bool:
+        age = self.lifecycle.generation_age()
+        return age is not None and age <= self.max_age
+
+    async def check(self) -> bool:
+        if self.fresh():
+            return True
+        async with self._lock:
+            if self.fresh():
+                return True
+            try:
+                await generate_one_token(self.engine, self.timeout)
+            except Exception as exc:  # any failure means "not ready"; the reason goes to the body
+                self.last_error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                log.warning("readiness probe failed: %s", self.last_error)
+                return False
+            self.last_error = None
+            self.lifecycle.generation_succeeded()
+            return True
+
+
+def _unavailable(message: str, code: str, retry_after: int) -> JSONResponse:
+    return JSONResponse(error_body(503, message, code), 503, headers={"Retry-After": str(retry_after)})
+
+
+def build_app(
+    settings: ServiceSettings, args: Namespace, lifecycle: Lifecycle, device: str
+) -> tuple[FastAPI, ASGIApp]:
+    """Return the FastAPI app (its ``state`` receives the engine) and the ASGI app to serve."""
+    app = FastAPI(title="qwen4exp", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.args = args  # vLLM's handlers read e.g. args.log_error_stack
+    app.state.engine_client = None
+    app.state.lifecycle = lifecycle
+    app.state.device = device
+    probe = ReadyProbe(lifecycle, settings.ready_max_age_seconds, settings.ready_timeout_seconds)
+    app.state.ready_probe = probe
+    registry = http_metrics.registry()
+
+    @app.get("/health")
+    async def health() -> Response:
+        """Liveness: the process answers and the engine (once started) is not dead."""
+        engine = app.state.engine_client
+        if engine is not None and engine.errored:
+            return _unavailable("The engine is dead; the process will exit.", "engine_dead", 5)
+        return JSONResponse({"status": lifecycle.phase.value, "device": device})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """Readiness: the model is loaded and a 1-token generation succeeded recently."""
+        if lifecycle.phase is not Phase.SERVING:
+            http_metrics.SERVICE_READY.set(0)
+            code = "service_draining" if lifecycle.phase is Phase.DRAINING else "service_starting"
+            return _unavailable(f"Not ready: {lifecycle.phase.value}.", code, settings.retry_after_seconds)
+        probe.engine = app.state.engine_client
+        if not await probe.check():
+            http_metrics.SERVICE_READY.set(0)
+            return _unavailable(
+                f"Not ready: the probe generation failed ({probe.last_error}).",
+                "probe_failed",
+                settings.retry_after_seconds,
+            )
+        http_metrics.SERVICE_READY.set(1)
+        return JSONResponse(
+            {
+                "status": "ready",
+                "model": settings.model_name,
+                "last_generation_age_seconds": round(lifecycle.generation_age() or 0.0, 3),
+            }
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    for router in (models_router, chat_router, completion_router, tokenize_router):
+        for route in router.routes:
+            if getattr(route, "path", None) in VLLM_ROUTES:
+                app.router.routes.append(route)
+    init_exception_handler(app)
+
+    # add_middleware: the last added runs first. Order of a request: auth, phase gate, body
+    # limit, admission, route.
+    app.add_middleware(
+        Admission,
+        paths=GENERATION_ROUTES,
+        max_running=settings.max_concurrent_requests,
+        max_queued=settings.max_queued_requests,
+        retry_after=settings.retry_after_seconds,
+        lifecycle=lifecycle,
+    )
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(LifecycleGate, lifecycle=lifecycle, retry_after=settings.retry_after_seconds)
+    keys = settings.keys()
+    if keys:
+        open_paths = frozenset({"/health", "/ready"} | ({"/metrics"} if settings.metrics_open else set()))
+        app.add_middleware(BearerAuth, keys=keys, open_paths=open_paths)
+    else:
+        log.warning("no API key configured (QWEN4EXP_API_KEYS / QWEN4EXP_API_KEYS_FILE): auth is OFF")
+
+    # Outside FastAPI's own error middleware, so its 500s are reshaped and counted too.
+    asgi = http_metrics.HttpMetricsMiddleware(ErrorShapeMiddleware(app), routes=VLLM_ROUTES | OWN_ROUTES)
+    return app, asgi

@@ -1,0 +1,103 @@
+"""vLLM's async engine, in-process, configured from our settings through vLLM's own CLI parser.
+
+Going through ``make_arg_parser`` gives vLLM's serving classes exactly the ``args`` namespace they
+expect (``init_app_state`` reads dozens of fields) and keeps vLLM's defaults and checks; we only
+choose the few flags our settings control. The engine is built in a worker thread so the HTTP
+server keeps answering (503 while starting, probes) during the tens of seconds loading takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from argparse import Namespace
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.inputs import TokensPrompt
+from vllm.usage.usage_lib import UsageContext
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.engine.async_llm import AsyncLLM
+
+from .settings import ServiceSettings, SettingsError
+
+log = logging.getLogger("service.engine")
+
+
+def platform_device() -> str:
+    """The device type of the installed vLLM build/host: ``cpu`` or ``cuda`` (or another platform)."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def resolve_device(settings: ServiceSettings) -> str:
+    device = platform_device()
+    if settings.device != "auto" and settings.device != device:
+        raise SettingsError(
+            f"QWEN4EXP_DEVICE={settings.device!r}: this vLLM build/host runs on {device!r}; "
+            f"fix: unset QWEN4EXP_DEVICE (auto) or run the {settings.device} image on a host that has one"
+        )
+    return device
+
+
+def cli_args(settings: ServiceSettings, device: str) -> list[str]:
+    """The ``vllm serve`` flags equivalent to our settings."""
+    argv = [
+        "--model", str(settings.model),
+        "--served-model-name", settings.model_name,
+        "--tensor-parallel-size", str(settings.tensor_parallel_size),
+        "--dtype", settings.dtype,
+        "--kv-cache-dtype", settings.kv_cache_dtype,
+        "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
+        # Our hybrid cache (QSA + PLE/GDN states) does not support prefix caching yet.
+        "--no-enable-prefix-caching",
+    ]  # fmt: skip
+    if settings.max_model_len is not None:
+        argv += ["--max-model-len", str(settings.max_model_len)]
+    if settings.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(settings.max_num_seqs)]
+    if settings.chat_template is not None:
+        argv += ["--chat-template", str(settings.chat_template)]
+    if settings.enforce_eager or device == "cpu":  # no CUDA graphs on CPU; compiling only costs start time
+        argv.append("--enforce-eager")
+    return argv
+
+
+def parse_args(argv: list[str]) -> Namespace:
+    parser = make_arg_parser(FlexibleArgumentParser(prog="service"))
+    args = parser.parse_args(argv)
+    validate_parsed_serve_args(args)
+    return args
+
+
+def build_engine(args: Namespace) -> AsyncLLM:
+    """Blocking (loads weights, starts EngineCore and workers); run it in a thread.
+
+    Mirrors ``build_async_engine_client_from_engine_args``, which constructs the engine inside
+    the event loop and would block it for the whole load.
+    """
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    return AsyncLLM.from_vllm_config(
+        vllm_config=vllm_config,
+        usage_context=UsageContext.OPENAI_API_SERVER,
+        enable_log_requests=engine_args.enable_log_requests,
+        disable_log_stats=engine_args.disable_log_stats,
+    )
+
+
+async def generate_one_token(engine: AsyncLLM, timeout: float) -> None:
+    """The readiness probe: a 1-token greedy generation through the whole engine."""
+    tokenizer = engine.get_tokenizer()
+    ids = tokenizer.encode("Hello", add_special_tokens=False) or [0]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    request_id = f"qwen4exp-ready-{uuid.uuid4().hex}"
+
+    async def run() -> None:
+        async for _ in engine.generate(TokensPrompt(prompt_token_ids=ids[:1]), params, request_id):
+            pass
+
+    await asyncio.wait_for(run(), timeout)

@@ -1,0 +1,171 @@
+"""Request guards vLLM's serving layer lacks: bearer keys, a body-size cap, and admission control.
+
+All are pure ASGI middlewares (no ``BaseHTTPMiddleware``): they must not buffer or wrap streamed
+responses, and a client's disconnect must still reach vLLM's handlers, which abort the engine
+request when they see it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import http_metrics
+from .errors import send_error
+from .lifecycle import Lifecycle
+
+
+class BearerAuth:
+    """Require ``Authorization: Bearer <key>`` except on ``open_paths`` (probes, optionally metrics)."""
+
+    def __init__(self, app: ASGIApp, keys: list[str], open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+        self.open_paths = open_paths
+
+    def _valid(self, header: str | None) -> bool:
+        scheme, _, token = (header or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return False
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        # Compare against every key so the time taken does not reveal which one matched.
+        return sum(hmac.compare_digest(digest, d) for d in self.digests) > 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        header = Headers(scope=scope).get("authorization")
+        if not self._valid(header):
+            message = (
+                "Missing bearer API key: send 'Authorization: Bearer <key>'."
+                if header is None
+                else "Invalid API key."
+            )
+            await send_error(send, 401, message, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """413 for bodies over ``max_bytes``, from Content-Length when present, else while reading.
+
+    The body is read here in full (the routes parse it whole anyway) and replayed to the app, so a
+    too-large chunked body is refused before any handler sees it. After the replay, ``receive``
+    is the server's again, so the app still learns about a disconnect.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Send) -> None:
+        await send_error(
+            send,
+            413,
+            f"Request body is larger than the {self.max_bytes}-byte limit (QWEN4EXP_MAX_BODY_BYTES).",
+            "request_too_large",
+            {"Connection": "close"},
+        )
+
+
+class Admission:
+    """At most ``max_running`` generation requests in the engine, ``max_queued`` waiting; beyond
+    that 429 with Retry-After, so overload is refused at once rather than queued without bound."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        paths: frozenset[str],
+        max_running: int,
+        max_queued: int,
+        retry_after: int,
+        lifecycle: Lifecycle,
+    ) -> None:
+        self.app = app
+        self.paths = paths
+        self.limit = max_running + max_queued
+        self.max_running = max_running
+        self.retry_after = str(retry_after)
+        self.lifecycle = lifecycle
+        self.admitted = 0  # running + queued
+        self._slots: asyncio.Semaphore | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        if self.admitted >= self.limit:
+            await send_error(
+                send,
+                429,
+                f"Too many requests: {self.limit} are already running or queued; retry later.",
+                "rate_limit_exceeded",
+                {"Retry-After": self.retry_after},
+            )
+            return
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_running)
+        self.admitted += 1
+        status = 0
+
+        async def wrapped(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        queued = True
+        http_metrics.ADMISSION_QUEUED.inc()
+        try:
+            async with self._slots:
+                queued = False
+                http_metrics.ADMISSION_QUEUED.dec()
+                http_metrics.ADMISSION_RUNNING.inc()
+                try:
+                    await self.app(scope, receive, wrapped)
+                finally:
+                    http_metrics.ADMISSION_RUNNING.dec()
+        finally:
+            if queued:  # cancelled while waiting for a slot
+                http_metrics.ADMISSION_QUEUED.dec()
+            self.admitted -= 1
+        if status == 200:
+            self.lifecycle.generation_succeeded()

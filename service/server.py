@@ -1,0 +1,159 @@
+"""The process's run loop: listen, start the engine, serve, and on SIGTERM drain and exit 0.
+
+Order matters: the socket is bound first (a busy port is reported before a long model load), the
+HTTP server answers 503 while the engine loads in a thread, and only after a 1-token generation
+succeeds does the phase become ``serving``. On SIGTERM/SIGINT: phase ``draining`` (new requests
+503, ``/ready`` 503), wait up to QWEN4EXP_DRAIN_SECONDS for in-flight requests, stop HTTP, stop
+the engine, exit 0. A dead engine exits non-zero so the orchestrator restarts the container.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+
+import uvicorn
+from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+from vllm.entrypoints.launchers.launcher import NoSignalServer
+from vllm.version import __version__ as vllm_version
+
+from . import http_metrics
+from .app import build_app
+from .engine import build_engine, cli_args, generate_one_token, parse_args, resolve_device
+from .lifecycle import Lifecycle, Phase
+from .settings import ServiceSettings, SettingsError
+
+log = logging.getLogger("service")
+
+FIRST_GENERATION_TIMEOUT_S = 300.0  # the first step can include lazy initialisation
+ENGINE_WATCH_INTERVAL_S = 2.0
+
+
+async def start_engine(app, args, lifecycle: Lifecycle) -> None:
+    loop = asyncio.get_running_loop()
+    engine = await loop.run_in_executor(None, build_engine, args)
+    app.state.engine_client = engine
+    supported_tasks = await engine.get_supported_tasks()
+    await init_app_state(engine, app.state, args, supported_tasks)
+    await generate_one_token(engine, FIRST_GENERATION_TIMEOUT_S)
+    lifecycle.generation_succeeded()
+    http_metrics.SERVICE_READY.set(1)
+    lifecycle.phase = Phase.SERVING
+
+
+async def watch_engine(app) -> None:
+    while True:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+        engine = app.state.engine_client
+        if engine is not None and engine.errored:
+            return
+
+
+async def serve(settings: ServiceSettings, sock: socket.socket) -> int:
+    device = resolve_device(settings)
+    args = parse_args(cli_args(settings, device))
+    lifecycle = Lifecycle()
+    app, asgi = build_app(settings, args, lifecycle, device)
+    http_metrics.SERVICE_INFO.labels(
+        settings.model_name, device, str(settings.tensor_parallel_size), vllm_version
+    ).set(1)
+    config = uvicorn.Config(
+        asgi,
+        log_level=settings.log_level,
+        access_log=settings.log_level == "debug",
+        lifespan="off",
+        timeout_graceful_shutdown=2,  # after our own drain, streams still open are cut
+    )
+    server = NoSignalServer(config)  # signals are ours (below), not uvicorn's
+    app.state.server = server  # vLLM's engine-error handler stops it through this
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    server_task = asyncio.create_task(server.serve(sockets=[sock]))
+    engine_task = asyncio.create_task(start_engine(app, args, lifecycle))
+    stop_task = asyncio.create_task(stop.wait())
+    log.info(
+        "listening on http://%s:%d (device %s, model %s as %r); loading the engine",
+        settings.host, settings.port, device, settings.model, settings.model_name,
+    )  # fmt: skip
+
+    exit_code = 0
+    done, _ = await asyncio.wait({engine_task, stop_task, server_task}, return_when=asyncio.FIRST_COMPLETED)
+    if engine_task in done and engine_task.exception() is not None:
+        exc = engine_task.exception()
+        log.error("engine failed to start: %s: %s", type(exc).__name__, exc)
+        exit_code = 1
+    elif engine_task in done:
+        log.info("ready: serving %r on %s", settings.model_name, device)
+        watch_task = asyncio.create_task(watch_engine(app))
+        done, _ = await asyncio.wait(
+            {stop_task, watch_task, server_task}, return_when=asyncio.FIRST_COMPLETED
+        )
+        watch_task.cancel()
+        if watch_task in done:
+            log.error("the engine died; exiting")
+            exit_code = 1
+    if stop_task in done:
+        exit_code = await drain(settings, lifecycle)
+    if server_task in done and exit_code == 0 and not stop.is_set():
+        log.error("the HTTP server stopped unexpectedly")
+        exit_code = 1
+
+    lifecycle.phase = Phase.STOPPED
+    http_metrics.SERVICE_READY.set(0)
+    server.should_exit = True
+    with contextlib.suppress(BaseException):
+        await server_task
+    if not engine_task.done():
+        log.info("waiting for the engine load to finish before stopping it")
+        with contextlib.suppress(BaseException):
+            await engine_task
+    stop_task.cancel()
+    engine = app.state.engine_client
+    if engine is not None:
+        if engine.output_handler is not None:  # stop reading first: the core's exit is expected here
+            engine.output_handler.cancel()
+        await loop.run_in_executor(None, engine.shutdown)
+    sock.close()
+    log.info("stopped (exit code %d)", exit_code)
+    return exit_code
+
+
+async def drain(settings: ServiceSettings, lifecycle: Lifecycle) -> int:
+    if lifecycle.phase is not Phase.SERVING:
+        lifecycle.phase = Phase.DRAINING
+        return 0
+    lifecycle.phase = Phase.DRAINING
+    http_metrics.SERVICE_READY.set(0)
+    log.info(
+        "SIGTERM: draining %d in-flight request(s) for up to %.0f s",
+        lifecycle.inflight,
+        settings.drain_seconds,
+    )
+    if await lifecycle.wait_idle(settings.drain_seconds):
+        log.info("drained")
+    else:
+        log.warning("drain period over with %d request(s) still running; stopping them", lifecycle.inflight)
+    return 0
+
+
+def run(settings: ServiceSettings, sock: socket.socket) -> int:
+    """Serve until SIGTERM/SIGINT; the return value is the process's exit code."""
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    cli_env_setup()  # spawn workers, as `vllm serve` does
+    try:
+        return asyncio.run(serve(settings, sock))
+    except SettingsError as exc:
+        sys.stderr.write(f"service: invalid configuration:\n{exc}\n")
+        return 2

@@ -1,0 +1,288 @@
+"""Service configuration: environment variables only, validated before anything heavy is imported.
+
+Two groups: ``QWEN4EXP_*`` configures this front end and the engine it starts; the model's own
+``VLLM_QSA_*``/``VLLM_PLE_*`` variables are read by the model code in the worker processes (which
+inherit the environment), so here they get only a basic form check, early, with a clear message,
+instead of failing minutes later inside a worker. This module must not import vLLM or
+prometheus_client: the entry point validates first and exits fast on a bad value.
+
+``python -m service.settings`` prints the variable table (markdown) for the README.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+PREFIX = "QWEN4EXP_"
+
+# How to fix a bad value, by field; shown next to pydantic's description of what is wrong.
+FIXES: dict[str, str] = {
+    "model": "point it at a checkpoint directory that contains config.json",
+    "served_model_name": "use a non-empty name without whitespace",
+    "device": "use auto, cpu or cuda (cuda needs the CUDA image and a visible GPU)",
+    "tensor_parallel_size": "use a positive integer (the number of GPUs), e.g. 4",
+    "dtype": "use auto, bfloat16, float16 or float32",
+    "kv_cache_dtype": "use auto, bfloat16, float16, fp8, fp8_e4m3 or fp8_e5m2",
+    "max_model_len": "use a positive integer number of tokens, or leave it unset for the model's maximum",
+    "gpu_memory_utilization": "use a fraction in (0, 1], e.g. 0.9",
+    "enforce_eager": "use true or false",
+    "max_num_seqs": "use a positive integer, or leave it unset for vLLM's default",
+    "host": "use an address to bind, e.g. 0.0.0.0 or 127.0.0.1",
+    "port": "use an integer port in 1..65535",
+    "api_keys": "use a comma-separated list of keys without whitespace",
+    "api_keys_file": "mount a readable file with one key per line",
+    "metrics_open": "use true or false",
+    "max_concurrent_requests": "use a positive integer",
+    "max_queued_requests": "use an integer >= 0",
+    "retry_after_seconds": "use a positive integer number of seconds",
+    "max_body_bytes": "use an integer >= 1024",
+    "drain_seconds": "use a number of seconds >= 0",
+    "ready_max_age_seconds": "use a positive number of seconds",
+    "ready_timeout_seconds": "use a positive number of seconds",
+    "chat_template": "point it at a readable Jinja template file, or leave it unset",
+    "log_level": "use debug, info, warning or error",
+    "VLLM_QSA_KV_SCALES": "point it at a readable KV-scales file, or unset it",
+    "VLLM_QSA_KV_COLLECT": "point it at an existing writable directory, or unset it",
+    "VLLM_QSA_KV_CLIP_COUNT": "use a positive number of seconds, or unset it",
+    "VLLM_PLE_CPU_OFFLOAD": "use true or false (1/0, yes/no)",
+}
+
+
+class ServiceSettings(BaseSettings):
+    """The front end's settings (``QWEN4EXP_<FIELD>``)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=PREFIX, extra="ignore", case_sensitive=False, env_ignore_empty=True
+    )
+
+    model: Path = Field(description="Checkpoint directory to serve (required).")
+    served_model_name: str | None = Field(
+        None, description="Model name clients send and `/v1/models` lists; default: the directory name."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="`auto` uses the platform of the installed vLLM build; `cpu` or `cuda` must match it.",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel ranks (GPUs), e.g. 4.")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Weight/activation dtype; `auto` takes it from config.json."
+    )
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="KV-cache dtype; `auto` = model dtype."
+    )
+    max_model_len: int | None = Field(None, ge=1, description="Context length limit; default: the model's.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may use (ignored on CPU)."
+    )
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs/compilation (always on for CPU).")
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="Engine batch size (sequences per step); default: vLLM's."
+    )
+    host: str = Field("0.0.0.0", min_length=1, description="Address to listen on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
+    api_keys: str | None = Field(
+        None,
+        description="Comma-separated bearer keys. With no key (here or in the file) auth is off.",
+    )
+    api_keys_file: Path | None = Field(
+        None, description="File with one key per line (`#` comments), e.g. a mounted secret."
+    )
+    metrics_open: bool = Field(False, description="Serve `/metrics` without a key.")
+    max_concurrent_requests: int = Field(
+        32, ge=1, description="Generation requests handed to the engine at once."
+    )
+    max_queued_requests: int = Field(
+        64, ge=0, description="Generation requests waiting for a slot; beyond running + queued: 429."
+    )
+    retry_after_seconds: int = Field(1, ge=1, description="`Retry-After` sent with 429 and 503.")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body; larger: 413.")
+    drain_seconds: float = Field(
+        30.0, ge=0, description="After SIGTERM, how long in-flight requests may run before exit."
+    )
+    ready_max_age_seconds: float = Field(
+        30.0, gt=0, description="`/ready` needs a 1-token generation that succeeded within this age."
+    )
+    ready_timeout_seconds: float = Field(10.0, gt=0, description="Time limit of `/ready`'s probe generation.")
+    chat_template: Path | None = Field(None, description="Jinja chat template overriding the checkpoint's.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    @field_validator("device", "dtype", "kv_cache_dtype", "log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("model")
+    @classmethod
+    def _checkpoint_dir(cls, value: Path) -> Path:
+        if not value.is_dir():
+            raise ValueError(f"{value} is not a directory")
+        if not (value / "config.json").is_file():
+            raise ValueError(f"{value} has no config.json")
+        return value.resolve()
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or any(c.isspace() for c in value)):
+            raise ValueError(f"{value!r} is empty or contains whitespace")
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, value: str | None) -> str | None:
+        if value is not None and any(any(c.isspace() for c in k.strip()) for k in value.split(",")):
+            raise ValueError("a key contains whitespace")
+        return value
+
+    @field_validator("api_keys_file", "chat_template")
+    @classmethod
+    def _readable(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            require_readable_file(value)
+        return value
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.name
+
+    def keys(self) -> list[str]:
+        """Every configured API key: the variable's and the file's."""
+        keys = [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
+        if self.api_keys_file is not None:
+            for line in self.api_keys_file.read_text().splitlines():
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    keys.append(line)
+        return keys
+
+
+class ModelEnv(BaseSettings):
+    """The model's own variables; only their form is checked here (the model code validates deeper)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="", extra="ignore", case_sensitive=True, env_ignore_empty=True
+    )
+
+    VLLM_QSA_KV_SCALES: Path | None = Field(
+        None, description="QSA FP8 KV-cache scales file for the model code (must be a readable file)."
+    )
+    VLLM_QSA_KV_COLLECT: Path | None = Field(
+        None, description="Directory where the model code collects QSA KV statistics (must exist, writable)."
+    )
+    VLLM_QSA_KV_CLIP_COUNT: float | None = Field(
+        None, gt=0, description="QSA KV clip-count period for the model code, in seconds (positive)."
+    )
+    VLLM_PLE_CPU_OFFLOAD: bool | None = Field(
+        None, description="Boolean: keep PLE tables in pinned host memory instead of device memory."
+    )
+
+    @field_validator("VLLM_QSA_KV_SCALES")
+    @classmethod
+    def _scales(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            require_readable_file(value)
+        return value
+
+    @field_validator("VLLM_QSA_KV_COLLECT")
+    @classmethod
+    def _collect(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            if not value.is_dir():
+                raise ValueError(f"{value} is not an existing directory")
+            if not os.access(value, os.W_OK | os.X_OK):
+                raise ValueError(f"{value} is not writable")
+        return value
+
+
+def require_readable_file(path: Path) -> None:
+    if not path.is_file():
+        raise ValueError(f"{path} is not an existing file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{path} is not readable")
+
+
+class SettingsError(Exception):
+    """A configuration problem; ``str()`` is the operator-facing message, one line per problem."""
+
+
+def _env_name(field: str, prefixed: bool) -> str:
+    return PREFIX + field.upper() if prefixed else field
+
+
+def _describe(exc: ValidationError, prefixed: bool) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else ""
+        name = _env_name(field, prefixed)
+        raw = os.environ.get(name) if not prefixed else _lookup_ci(name)
+        got = f"={raw!r}" if raw is not None else " (not set)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            msg = "is required"
+        fix = FIXES.get(field, "see the README's configuration table")
+        lines.append(f"{name}{got}: {msg}; fix: {fix}")
+    return lines
+
+
+def _lookup_ci(name: str) -> str | None:
+    for key, value in os.environ.items():
+        if key.upper() == name:
+            return value
+    return None
+
+
+def unknown_prefixed_variables() -> list[str]:
+    """``QWEN4EXP_*`` variables that configure nothing (typos); reported as a warning."""
+    known = {PREFIX + f.upper() for f in ServiceSettings.model_fields}
+    ignored = {"QWEN4EXP_TEST_CHECKPOINTS"}  # read by the test suite, not by the service
+    return sorted(k for k in os.environ if k.upper().startswith(PREFIX) and k.upper() not in known | ignored)
+
+
+def load() -> tuple[ServiceSettings, ModelEnv]:
+    """Read and validate every variable; raise ``SettingsError`` listing all problems at once."""
+    problems: list[str] = []
+    service = model_env = None
+    try:
+        service = ServiceSettings()  # type: ignore[call-arg]
+    except ValidationError as exc:
+        problems += _describe(exc, prefixed=True)
+    try:
+        model_env = ModelEnv()
+    except ValidationError as exc:
+        problems += _describe(exc, prefixed=False)
+    if service is not None:
+        try:
+            service.keys()
+        except OSError as exc:
+            problems.append(f"{PREFIX}API_KEYS_FILE: cannot read it ({exc}); fix: {FIXES['api_keys_file']}")
+    if problems:
+        raise SettingsError("\n".join(problems))
+    assert service is not None and model_env is not None
+    return service, model_env
+
+
+def markdown_table() -> str:
+    """The README table: one row per variable, generated from the fields so it cannot drift."""
+    rows = ["| Variable | Default | Meaning |", "|---|---|---|"]
+    for cls, prefixed in ((ServiceSettings, True), (ModelEnv, False)):
+        for name, field in cls.model_fields.items():
+            if field.is_required():
+                default = "required"
+            elif field.default is None:
+                default = "unset"
+            else:
+                default = (
+                    f"`{str(field.default).lower() if isinstance(field.default, bool) else field.default}`"
+                )
+            rows.append(f"| `{_env_name(name, prefixed)}` | {default} | {field.description} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table() + "\n")

@@ -1,0 +1,158 @@
+"""Start-up validation: a wrong variable stops ``python -m service`` at once with exit code 2 and
+one line naming the variable and the fix, without a traceback and without loading the model."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service import settings as settings_mod
+from tests.conftest import ROOT
+
+from .conftest import free_port, service_env
+
+
+def run_service(env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "service"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def assert_config_error(proc: subprocess.CompletedProcess, *names: str) -> str:
+    err = proc.stderr
+    assert proc.returncode == 2, (proc.returncode, err[-3000:])
+    assert "Traceback" not in err, err
+    assert "invalid configuration" in err
+    for name in names:
+        lines = [line for line in err.splitlines() if line.startswith(name)]
+        assert lines, f"{name} not named in:\n{err}"
+        assert all("fix:" in line for line in lines), lines
+    return err
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    # A directory with a config.json is enough: these runs stop before anything loads it.
+    return str(ROOT / "checkpoints" / "tiny") if (ROOT / "checkpoints/tiny/config.json").exists() else ""
+
+
+def test_model_is_required() -> None:
+    assert_config_error(run_service(service_env()), "QWEN4EXP_MODEL")
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    env = service_env(
+        QWEN4EXP_MODEL=str(tmp_path / "missing"),
+        QWEN4EXP_PORT="http",
+        QWEN4EXP_MAX_CONCURRENT_REQUESTS="0",
+        QWEN4EXP_GPU_MEMORY_UTILIZATION="1.5",
+        QWEN4EXP_DTYPE="int8",
+        QWEN4EXP_DEVICE="tpu",
+        QWEN4EXP_API_KEYS_FILE=str(tmp_path / "no-keys"),
+        VLLM_QSA_KV_SCALES=str(tmp_path / "no-scales.json"),
+        VLLM_QSA_KV_COLLECT=str(a_file),
+        VLLM_QSA_KV_CLIP_COUNT="-5",
+        VLLM_PLE_CPU_OFFLOAD="perhaps",
+    )
+    err = assert_config_error(
+        run_service(env),
+        "QWEN4EXP_MODEL",
+        "QWEN4EXP_PORT",
+        "QWEN4EXP_MAX_CONCURRENT_REQUESTS",
+        "QWEN4EXP_GPU_MEMORY_UTILIZATION",
+        "QWEN4EXP_DTYPE",
+        "QWEN4EXP_DEVICE",
+        "QWEN4EXP_API_KEYS_FILE",
+        "VLLM_QSA_KV_SCALES",
+        "VLLM_QSA_KV_COLLECT",
+        "VLLM_QSA_KV_CLIP_COUNT",
+        "VLLM_PLE_CPU_OFFLOAD",
+    )
+    assert "'http'" in err  # the offending value is shown
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("QWEN4EXP_PORT", "70000"),
+        ("QWEN4EXP_MAX_BODY_BYTES", "10"),
+        ("QWEN4EXP_DRAIN_SECONDS", "-1"),
+        ("QWEN4EXP_KV_CACHE_DTYPE", "int4"),
+        ("QWEN4EXP_METRICS_OPEN", "sometimes"),
+        ("VLLM_QSA_KV_CLIP_COUNT", "soon"),
+    ],
+)
+def test_single_bad_value(model_dir: str, name: str, value: str) -> None:
+    assert model_dir, "checkpoints/tiny missing"
+    assert_config_error(run_service(service_env(QWEN4EXP_MODEL=model_dir, **{name: value})), name)
+
+
+def test_busy_port_is_a_config_error(model_dir: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run_service(
+            service_env(QWEN4EXP_MODEL=model_dir, QWEN4EXP_HOST="127.0.0.1", QWEN4EXP_PORT=str(port))
+        )
+    assert_config_error(proc, "QWEN4EXP_HOST")
+    assert "QWEN4EXP_PORT" in proc.stderr
+
+
+def test_device_must_match_the_platform(model_dir: str) -> None:
+    """This suite runs vLLM's CPU build: asking for CUDA is refused before any model load."""
+    proc = run_service(
+        service_env(
+            QWEN4EXP_MODEL=model_dir,
+            QWEN4EXP_HOST="127.0.0.1",
+            QWEN4EXP_PORT=str(free_port()),
+            QWEN4EXP_DEVICE="cuda",
+        )
+    )
+    assert_config_error(proc, "QWEN4EXP_DEVICE")
+    assert "'cpu'" in proc.stderr
+
+
+def test_fresh_metrics_dir_is_removed_on_exit(tmp_path: Path) -> None:
+    """An operator-given PROMETHEUS_MULTIPROC_DIR is a parent: each start gets a new subdirectory,
+    removed when the process exits (here: at a configuration error)."""
+    env = service_env()
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path / "prom")
+    assert_config_error(run_service(env), "QWEN4EXP_MODEL")
+    assert (tmp_path / "prom").is_dir()
+    assert list((tmp_path / "prom").iterdir()) == []
+
+
+def test_valid_model_variables_pass(monkeypatch, tmp_path: Path) -> None:
+    scales = tmp_path / "scales.json"
+    scales.write_text("{}")
+    for name, value in {
+        "QWEN4EXP_MODEL": str(ROOT / "checkpoints" / "tiny"),
+        "QWEN4EXP_API_KEYS": "a,b",
+        "VLLM_QSA_KV_SCALES": str(scales),
+        "VLLM_QSA_KV_COLLECT": str(tmp_path),
+        "VLLM_QSA_KV_CLIP_COUNT": "2.5",
+        "VLLM_PLE_CPU_OFFLOAD": "yes",
+    }.items():
+        monkeypatch.setenv(name, value)
+    if not (ROOT / "checkpoints/tiny/config.json").exists():
+        pytest.skip("checkpoints/tiny missing")
+    service, model_env = settings_mod.load()
+    assert service.keys() == ["a", "b"]
+    assert service.model_name == "tiny"
+    assert model_env.VLLM_PLE_CPU_OFFLOAD is True
+    assert model_env.VLLM_QSA_KV_CLIP_COUNT == 2.5
+
+
+def test_readme_table_lists_every_variable() -> None:
+    table = settings_mod.markdown_table()
+    for name in settings_mod.ServiceSettings.model_fields:
+        assert f"`QWEN4EXP_{name.upper()}`" in table
+    for name in settings_mod.ModelEnv.model_fields:
+        assert f"`{name}`" in table

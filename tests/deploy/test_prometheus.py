@@ -1,0 +1,286 @@
+"""Prometheus config, alert rules and dashboards: promtool, and a real Prometheus scraping the service.
+
+The live test starts ``python -m service`` (tiny checkpoint, CPU, FP8 QSA KV cache with a scale
+chosen so small that every K/V element clips, clip counters read every second) and a Prometheus
+built from ``deploy/prometheus/prometheus.yml`` with only the target and intervals changed. After
+some traffic every PromQL expression of the dashboards and alert rules is evaluated through
+Prometheus' HTTP API: it must succeed, every metric it names must exist, and the clipping alert
+must be firing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import ROOT, ensure_checkpoint
+
+from .tools import DASHBOARDS, PROMETHEUS_CONFIG, RULES, run, tool
+
+KEY = "deploy-test-key"
+METRIC = re.compile(r"\b(vllm:[a-z_:]+|qwen4exp_[a-z0-9_]+|up)\b")
+GRAFANA_VARS = {"$__rate_interval": "20s", "$__range": "5m", "$instance": ".*", "${instance}": ".*"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Static checks
+# ------------------------------------------------------------------------------------------------
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    """(where, PromQL) of every dashboard target."""
+    out = []
+    for f in sorted(DASHBOARDS.glob("*.json")):
+        for p in json.loads(f.read_text())["panels"]:
+            for t in p.get("targets", []):
+                out.append((f"{f.name}: {p['title']}", t["expr"]))
+    return out
+
+
+def rule_exprs() -> list[tuple[str, str]]:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    return [(f"rule {r['alert']}", r["expr"]) for g in groups for r in g["rules"]]
+
+
+def substitute(expr: str) -> str:
+    for var, value in GRAFANA_VARS.items():
+        expr = expr.replace(var, value)
+    assert "$" not in expr.replace("$labels", "").replace("$value", ""), f"unknown variable in {expr}"
+    return expr
+
+
+def test_promtool_check_config(tmp_path):
+    proc = run([tool("promtool"), "check", "config", str(PROMETHEUS_CONFIG)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # The same config with its rule glob pointed at the repository's rules file (compose mounts it).
+    cfg = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    cfg["rule_files"] = [str(RULES)]
+    local = tmp_path / "prometheus.yml"
+    local.write_text(yaml.safe_dump(cfg))
+    proc = run([tool("promtool"), "check", "config", str(local)])
+    assert proc.returncode == 0 and "SUCCESS: 1 rule files found" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_promtool_check_rules():
+    proc = run([tool("promtool"), "check", "rules", str(RULES)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
+    assert "Qwen4ExpQSAKVClipping" in names
+
+
+def test_dashboards_are_well_formed():
+    files = sorted(DASHBOARDS.glob("*.json"))
+    assert [f.name for f in files] == ["qwen4exp-model.json", "qwen4exp-serving.json"]
+    uids = set()
+    for f in files:
+        d = json.loads(f.read_text())
+        assert d["uid"] not in uids
+        uids.add(d["uid"])
+        assert {v["name"] for v in d["templating"]["list"]} == {"datasource", "instance"}
+        ids = [p["id"] for p in d["panels"]]
+        assert len(ids) == len(set(ids)), f"{f.name}: duplicate panel ids"
+        for p in d["panels"]:
+            if p["type"] == "row":
+                continue
+            assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+            assert p["targets"] and all(t["expr"].strip() for t in p["targets"]), p["title"]
+    titles = " ".join(p["title"] for f in files for p in json.loads(f.read_text())["panels"]).lower()
+    for topic in ("time to first token", "inter-token", "end-to-end", "tokens / s", "running / waiting",
+                  "kv-cache use", "errors / s by status", "clips", "k/v scales", "pinned ple memory"):  # fmt: skip
+        assert topic in titles, topic
+
+
+def test_grafana_provisioning_points_at_the_dashboards():
+    prov = yaml.safe_load((ROOT / "deploy/grafana/provisioning/dashboards/qwen4exp.yml").read_text())
+    assert prov["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards/qwen4exp"
+    ds = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert ds["datasources"][0]["type"] == "prometheus"
+
+
+# ------------------------------------------------------------------------------------------------
+# Live: the service and a real Prometheus
+# ------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM the process group this test started (service: drains; engine children follow)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def wait_for(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{proc.args[0]} exited with {proc.returncode}:\n{log.read_text()[-5000:]}")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"{url} not ready after {timeout:.0f} s:\n{log.read_text()[-5000:]}")
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("service")
+    scales = tmp / "qsa-kv-scales.json"
+    # A scale far below the tiny model's K/V magnitudes: every written element clips.
+    scales.write_text(json.dumps({"model.layers.3.self_attn": {"k_scale": 1e-5, "v_scale": 1e-5}}))
+    port = free_port()
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.upper().startswith(("QWEN4EXP_", "VLLM_QSA_", "VLLM_PLE_"))
+    }
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env.update(
+        QWEN4EXP_MODEL=str(ensure_checkpoint("tiny")),
+        QWEN4EXP_HOST="127.0.0.1",
+        QWEN4EXP_PORT=str(port),
+        QWEN4EXP_API_KEYS=KEY,
+        QWEN4EXP_METRICS_OPEN="true",
+        QWEN4EXP_KV_CACHE_DTYPE="fp8",
+        QWEN4EXP_ENFORCE_EAGER="true",
+        QWEN4EXP_MAX_MODEL_LEN="512",
+        VLLM_QSA_KV_SCALES=str(scales),
+        VLLM_QSA_KV_CLIP_COUNT="1",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CACHE_ROOT=str(ROOT / ".cache" / "vllm"),
+    )
+    log = tmp / "service.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_for(f"http://127.0.0.1:{port}/ready", proc, log, timeout=300)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def prometheus(service, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("prometheus")
+    port = free_port()
+    cfg = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    cfg["rule_files"] = [str(RULES)]
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    jobs["qwen4exp"].update(scrape_interval="1s", scrape_timeout="1s")
+    jobs["qwen4exp"]["static_configs"][0]["targets"] = [service]
+    jobs["prometheus"]["static_configs"][0]["targets"] = [f"127.0.0.1:{port}"]
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    log = tmp / "prometheus.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [
+                tool("prometheus"),
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_for(f"http://127.0.0.1:{port}/-/ready", proc, log, timeout=60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc, timeout=30)
+
+
+def query(prom: str, expr: str) -> dict:
+    r = httpx.get(prom + "/api/v1/query", params={"query": expr}, timeout=10)
+    body = r.json()
+    assert r.status_code == 200 and body["status"] == "success", f"{expr}: {body}"
+    return body["data"]
+
+
+def send_traffic(service: str) -> None:
+    url = f"http://{service}"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=60) as c:
+        for i in range(4):
+            r = c.post(url + "/v1/completions", headers=auth,
+                       json={"model": "tiny", "prompt": f"Hello number {i}! How are", "max_tokens": 8})  # fmt: skip
+            assert r.status_code == 200, r.text
+        r = c.post(url + "/v1/chat/completions", headers=auth,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert c.get(url + "/v1/models").status_code == 401  # no key: an HTTP error for the panels
+        assert c.get(url + "/ready").status_code == 200
+
+
+def test_prometheus_scrapes_service_and_evaluates_every_expression(service, prometheus):
+    # Zero-valued series first, then traffic, so increase()/rate() see the change.
+    deadline = time.monotonic() + 30
+    while not query(prometheus, 'up{job="qwen4exp"} == 1')["result"]:
+        assert time.monotonic() < deadline, "Prometheus never scraped the service"
+        time.sleep(0.5)
+    time.sleep(3)
+    send_traffic(service)
+    time.sleep(6)  # clip reader (1 s) + a few 1 s scrapes
+
+    names = set(httpx.get(prometheus + "/api/v1/label/__name__/values", timeout=10).json()["data"])
+    exprs = dashboard_exprs() + rule_exprs()
+    missing: dict[str, list[str]] = {}
+    for where, expr in exprs:
+        query(prometheus, substitute(expr))
+        for metric in METRIC.findall(expr):
+            if metric not in names:
+                missing.setdefault(metric, []).append(where)
+    assert not missing, f"metrics used by dashboards/rules but not exported: {missing}"
+
+    # The panels show data: latency histograms, token counters, HTTP errors, clipping, PLE memory.
+    for expr in (
+        "sum(vllm:time_to_first_token_seconds_count) > 0",
+        "sum(vllm:generation_tokens_total) > 0",
+        'sum by (status) (qwen4exp_http_requests_total{status="401"}) > 0',
+        "sum(qwen4exp_qsa_kv_clipped_total) > 0",
+        "count(qwen4exp_qsa_kv_scale) == 2",
+        "count(qwen4exp_ple_pinned_bytes) == 2",
+        "count(qwen4exp_ple_storage_info) == 2",
+    ):
+        assert query(prometheus, expr)["result"], f"no data for {expr}"
+
+
+def test_rules_are_healthy_and_clipping_alert_fires(service, prometheus):
+    deadline = time.monotonic() + 30
+    while True:
+        groups = httpx.get(prometheus + "/api/v1/rules", timeout=10).json()["data"]["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        firing = {a["labels"]["alertname"] for a in httpx.get(prometheus + "/api/v1/alerts").json()["data"]["alerts"]
+                  if a["state"] == "firing"}  # fmt: skip
+        if "Qwen4ExpQSAKVClipping" in firing or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert len(rules) == len(rule_exprs())
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+    assert "Qwen4ExpQSAKVClipping" in firing, firing

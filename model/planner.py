@@ -543,6 +543,8 @@ def _gib(n: float) -> str:
 
 
 def _count(n: float) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:,.2f}B"
     return f"{n / 1e6:,.1f}M" if n >= 1e6 else f"{int(n):,}"
 
 
@@ -628,7 +630,8 @@ def render(plan: Plan) -> str:
         need = plan.host_needed_gib[f]
         ok = "yes" if need <= usable else ("tight" if need <= m.host_ram_gib else "no")
         w(
-            f"| {f}{' (checkpoint)' if f == plan.ple_format else ''} | {_gib(ple.bytes_per_rank[f])} | "
+            f"| {f}{(' (selected)' if o.ple_format else ' (checkpoint)') if f == plan.ple_format else ''} | "
+            f"{_gib(ple.bytes_per_rank[f])} | "
             f"{_gib(ple.bytes_total[f])} | {need:.1f} GiB | {ok} |"
         )
     w("")

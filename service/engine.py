@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 from argparse import Namespace
 
 from vllm import SamplingParams
+from vllm.config import VllmConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
 from vllm.inputs import TokensPrompt
@@ -73,19 +75,57 @@ def parse_args(argv: list[str]) -> Namespace:
     return args
 
 
-def build_engine(args: Namespace) -> AsyncLLM:
+# vLLM parameter names -> our variables, to name the variable when vLLM rejects a value.
+VLLM_PARAMS = {
+    "max_model_len": "QWEN4EXP_MAX_MODEL_LEN",
+    "tensor_parallel_size": "QWEN4EXP_TENSOR_PARALLEL_SIZE",
+    "cache_dtype": "QWEN4EXP_KV_CACHE_DTYPE",
+    "kv_cache_dtype": "QWEN4EXP_KV_CACHE_DTYPE",
+    "dtype": "QWEN4EXP_DTYPE",
+    "gpu_memory_utilization": "QWEN4EXP_GPU_MEMORY_UTILIZATION",
+    "max_num_seqs": "QWEN4EXP_MAX_NUM_SEQS",
+    "chat_template": "QWEN4EXP_CHAT_TEMPLATE",
+}
+
+
+def _reason(exc: Exception) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):  # a pydantic ValidationError from vLLM's config classes
+        try:
+            return "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in errors())
+        except Exception:
+            pass
+    return str(exc) or type(exc).__name__
+
+
+def engine_config(args: Namespace) -> VllmConfig:
+    """vLLM's own validation of the engine configuration (fast: no weights are read), turned into
+    a configuration error naming our variables, before the server starts."""
+    try:
+        return AsyncEngineArgs.from_cli_args(args).create_engine_config(
+            usage_context=UsageContext.OPENAI_API_SERVER
+        )
+    except Exception as exc:
+        reason = _reason(exc)
+        names = sorted({var for param, var in VLLM_PARAMS.items() if re.search(rf"\b{param}\b", reason)})
+        names = names or ["QWEN4EXP_MODEL"]
+        raise SettingsError(
+            f"{', '.join(names)}: vLLM rejected the engine configuration: {reason}; "
+            f"fix: change {' or '.join(names)} (see the message)"
+        ) from None
+
+
+def build_engine(vllm_config: VllmConfig, args: Namespace) -> AsyncLLM:
     """Blocking (loads weights, starts EngineCore and workers); run it in a thread.
 
     Mirrors ``build_async_engine_client_from_engine_args``, which constructs the engine inside
     the event loop and would block it for the whole load.
     """
-    engine_args = AsyncEngineArgs.from_cli_args(args)
-    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     return AsyncLLM.from_vllm_config(
         vllm_config=vllm_config,
         usage_context=UsageContext.OPENAI_API_SERVER,
-        enable_log_requests=engine_args.enable_log_requests,
-        disable_log_stats=engine_args.disable_log_stats,
+        enable_log_requests=args.enable_log_requests,
+        disable_log_stats=args.disable_log_stats,
     )
 
 

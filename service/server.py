@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
 import signal
 import socket
 import sys
+import threading
 
 import uvicorn
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
@@ -23,7 +25,7 @@ from vllm.version import __version__ as vllm_version
 
 from . import http_metrics
 from .app import build_app
-from .engine import build_engine, cli_args, generate_one_token, parse_args, resolve_device
+from .engine import build_engine, cli_args, engine_config, generate_one_token, parse_args, resolve_device
 from .lifecycle import Lifecycle, Phase
 from .settings import ServiceSettings, SettingsError
 
@@ -31,18 +33,42 @@ log = logging.getLogger("service")
 
 FIRST_GENERATION_TIMEOUT_S = 300.0  # the first step can include lazy initialisation
 ENGINE_WATCH_INTERVAL_S = 2.0
+STOP_WHILE_LOADING_WAIT_S = 30.0
 
 
-async def start_engine(app, args, lifecycle: Lifecycle) -> None:
+def in_daemon_thread(fn, *args) -> asyncio.Future:
+    """Run a blocking call in a daemon thread: unlike the default executor's threads, it does not
+    hold up interpreter exit if we stop while it is still running (SIGTERM during the load)."""
     loop = asyncio.get_running_loop()
-    engine = await loop.run_in_executor(None, build_engine, args)
+    future = loop.create_future()
+
+    def settle(result: object, exc: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(exc) if exc is not None else future.set_result(result)
+
+    def target() -> None:
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting task
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: we stopped meanwhile
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=target, name=f"service-{fn.__name__}", daemon=True).start()
+    return future
+
+
+async def start_engine(app, vllm_config, args, lifecycle: Lifecycle) -> None:
+    engine = await in_daemon_thread(build_engine, vllm_config, args)
     app.state.engine_client = engine
     supported_tasks = await engine.get_supported_tasks()
     await init_app_state(engine, app.state, args, supported_tasks)
     await generate_one_token(engine, FIRST_GENERATION_TIMEOUT_S)
     lifecycle.generation_succeeded()
-    http_metrics.SERVICE_READY.set(1)
-    lifecycle.phase = Phase.SERVING
+    if lifecycle.phase is Phase.STARTING:  # not if SIGTERM came while loading
+        http_metrics.SERVICE_READY.set(1)
+        lifecycle.phase = Phase.SERVING
 
 
 async def watch_engine(app) -> None:
@@ -56,6 +82,7 @@ async def watch_engine(app) -> None:
 async def serve(settings: ServiceSettings, sock: socket.socket) -> int:
     device = resolve_device(settings)
     args = parse_args(cli_args(settings, device))
+    vllm_config = engine_config(args)
     lifecycle = Lifecycle()
     app, asgi = build_app(settings, args, lifecycle, device)
     http_metrics.SERVICE_INFO.labels(
@@ -77,7 +104,7 @@ async def serve(settings: ServiceSettings, sock: socket.socket) -> int:
         loop.add_signal_handler(sig, stop.set)
 
     server_task = asyncio.create_task(server.serve(sockets=[sock]))
-    engine_task = asyncio.create_task(start_engine(app, args, lifecycle))
+    engine_task = asyncio.create_task(start_engine(app, vllm_config, args, lifecycle))
     stop_task = asyncio.create_task(stop.wait())
     log.info(
         "listening on http://%s:%d (device %s, model %s as %r); loading the engine",
@@ -103,7 +130,11 @@ async def serve(settings: ServiceSettings, sock: socket.socket) -> int:
     if stop_task in done:
         exit_code = await drain(settings, lifecycle)
     if server_task in done and exit_code == 0 and not stop.is_set():
-        log.error("the HTTP server stopped unexpectedly")
+        engine = app.state.engine_client
+        # vLLM's engine-error handler stops the HTTP server when a request finds the engine dead.
+        log.error(
+            "the engine died; exiting" if engine is not None and engine.errored else "HTTP server stopped"
+        )
         exit_code = 1
 
     lifecycle.phase = Phase.STOPPED
@@ -112,9 +143,12 @@ async def serve(settings: ServiceSettings, sock: socket.socket) -> int:
     with contextlib.suppress(BaseException):
         await server_task
     if not engine_task.done():
-        log.info("waiting for the engine load to finish before stopping it")
+        # Stopped while loading: end the engine processes so the load fails fast, then go.
+        log.info("stopped while loading: terminating the engine processes")
+        for child in multiprocessing.active_children():
+            child.terminate()
         with contextlib.suppress(BaseException):
-            await engine_task
+            await asyncio.wait_for(engine_task, STOP_WHILE_LOADING_WAIT_S)
     stop_task.cancel()
     engine = app.state.engine_client
     if engine is not None:

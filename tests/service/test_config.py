@@ -156,3 +156,16 @@ def test_readme_table_lists_every_variable() -> None:
         assert f"`QWEN4EXP_{name.upper()}`" in table
     for name in settings_mod.ModelEnv.model_fields:
         assert f"`{name}`" in table
+
+
+def test_engine_configuration_rejected_by_vllm_names_the_variable(model_dir: str) -> None:
+    """vLLM's own engine-config checks run before serving; their verdict names our variable."""
+    env = service_env(
+        QWEN4EXP_MODEL=model_dir,
+        QWEN4EXP_HOST="127.0.0.1",
+        QWEN4EXP_PORT=str(free_port()),
+        QWEN4EXP_MAX_MODEL_LEN="100000",  # the tiny model's maximum is 4096
+    )
+    proc = run_service(env)
+    assert_config_error(proc, "QWEN4EXP_MAX_MODEL_LEN")
+    assert "4096" in proc.stderr

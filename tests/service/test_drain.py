@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import Server, error_of, sse_events, start_server
+from tests.conftest import ROOT, ensure_checkpoint
+
+from .conftest import Server, error_of, free_port, service_env, sse_events, start_server
 
 CHAT = "/v1/chat/completions"
 
@@ -141,3 +145,34 @@ def test_sigterm_lets_the_stream_finish_then_exits_0(limited_server: Server) -> 
     assert limited_server.proc.wait(60) == 0, limited_server.log()[-3000:]
     assert "drained" in limited_server.log()
     assert not prom_dir.exists(), "the Prometheus multiprocess dir must be removed at exit"
+
+
+def test_sigterm_while_loading_exits_0_promptly(tmp_path: Path) -> None:
+    """No server fixture: SIGTERM during the model load ends the engine processes and exits 0."""
+    port = free_port()
+    env = service_env(
+        QWEN4EXP_MODEL=str(ensure_checkpoint("tiny")), QWEN4EXP_HOST="127.0.0.1", QWEN4EXP_PORT=str(port)
+    )
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path / "prom")
+    with open(tmp_path / "log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                if r.status_code == 503:
+                    assert r.json()["error"]["code"] == "service_starting"
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, (tmp_path / "log").read_text()
+            time.sleep(0.3)
+        else:
+            raise AssertionError("never saw the start-up 503")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, (tmp_path / "log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert list((tmp_path / "prom").iterdir()) == []

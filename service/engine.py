@@ -129,6 +129,24 @@ def build_engine(vllm_config: VllmConfig, args: Namespace) -> AsyncLLM:
     )
 
 
+def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namespace]:
+    """Device, vLLM config and vLLM args; every problem found is reported together."""
+    problems = []
+    try:
+        device = resolve_device(settings)
+    except SettingsError as exc:
+        problems.append(str(exc))
+        device = platform_device()  # still check the rest against the platform we have
+    args = parse_args(cli_args(settings, device))
+    try:
+        vllm_config = engine_config(args)
+    except SettingsError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise SettingsError("\n".join(problems))
+    return device, vllm_config, args
+
+
 async def generate_one_token(engine: AsyncLLM, timeout: float) -> None:
     """The readiness probe: a 1-token greedy generation through the whole engine."""
     tokenizer = engine.get_tokenizer()

@@ -25,7 +25,7 @@ from vllm.version import __version__ as vllm_version
 
 from . import http_metrics
 from .app import build_app
-from .engine import build_engine, cli_args, engine_config, generate_one_token, parse_args, resolve_device
+from .engine import build_engine, configure_engine, generate_one_token
 from .lifecycle import Lifecycle, Phase
 from .settings import ServiceSettings, SettingsError
 
@@ -80,9 +80,7 @@ async def watch_engine(app) -> None:
 
 
 async def serve(settings: ServiceSettings, sock: socket.socket) -> int:
-    device = resolve_device(settings)
-    args = parse_args(cli_args(settings, device))
-    vllm_config = engine_config(args)
+    device, vllm_config, args = configure_engine(settings)
     lifecycle = Lifecycle()
     app, asgi = build_app(settings, args, lifecycle, device)
     http_metrics.SERVICE_INFO.labels(

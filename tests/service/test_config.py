@@ -105,20 +105,6 @@ def test_busy_port_is_a_config_error(model_dir: str) -> None:
     assert "QWEN4EXP_PORT" in proc.stderr
 
 
-def test_device_must_match_the_platform(model_dir: str) -> None:
-    """This suite runs vLLM's CPU build: asking for CUDA is refused before any model load."""
-    proc = run_service(
-        service_env(
-            QWEN4EXP_MODEL=model_dir,
-            QWEN4EXP_HOST="127.0.0.1",
-            QWEN4EXP_PORT=str(free_port()),
-            QWEN4EXP_DEVICE="cuda",
-        )
-    )
-    assert_config_error(proc, "QWEN4EXP_DEVICE")
-    assert "'cpu'" in proc.stderr
-
-
 def test_fresh_metrics_dir_is_removed_on_exit(tmp_path: Path) -> None:
     """An operator-given PROMETHEUS_MULTIPROC_DIR is a parent: each start gets a new subdirectory,
     removed when the process exits (here: at a configuration error)."""
@@ -158,14 +144,16 @@ def test_readme_table_lists_every_variable() -> None:
         assert f"`{name}`" in table
 
 
-def test_engine_configuration_rejected_by_vllm_names_the_variable(model_dir: str) -> None:
-    """vLLM's own engine-config checks run before serving; their verdict names our variable."""
+def test_device_and_engine_configuration_are_checked_before_serving(model_dir: str) -> None:
+    """This suite runs vLLM's CPU build: asking for CUDA is refused; and vLLM's own engine-config
+    checks run before the model loads, their verdict naming our variable. Both in one report."""
     env = service_env(
         QWEN4EXP_MODEL=model_dir,
         QWEN4EXP_HOST="127.0.0.1",
         QWEN4EXP_PORT=str(free_port()),
+        QWEN4EXP_DEVICE="cuda",
         QWEN4EXP_MAX_MODEL_LEN="100000",  # the tiny model's maximum is 4096
     )
     proc = run_service(env)
-    assert_config_error(proc, "QWEN4EXP_MAX_MODEL_LEN")
-    assert "4096" in proc.stderr
+    assert_config_error(proc, "QWEN4EXP_DEVICE", "QWEN4EXP_MAX_MODEL_LEN")
+    assert "'cpu'" in proc.stderr and "4096" in proc.stderr

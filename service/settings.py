@@ -14,9 +14,9 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 PREFIX = "QWEN4EXP_"
@@ -28,7 +28,7 @@ FIXES: dict[str, str] = {
     "device": "use auto, cpu or cuda (cuda needs the CUDA image and a visible GPU)",
     "tensor_parallel_size": "use a positive integer (the number of GPUs), e.g. 4",
     "dtype": "use auto, bfloat16, float16 or float32",
-    "kv_cache_dtype": "use auto, bfloat16, float16, fp8, fp8_e4m3 or fp8_e5m2",
+    "kv_cache_dtype": "use auto, the model dtype (bfloat16/float16), fp8 or fp8_e4m3",
     "max_model_len": "use a positive integer number of tokens, or leave it unset for the model's maximum",
     "gpu_memory_utilization": "use a fraction in (0, 1], e.g. 0.9",
     "enforce_eager": "use true or false",
@@ -49,8 +49,11 @@ FIXES: dict[str, str] = {
     "log_level": "use debug, info, warning or error",
     "VLLM_QSA_KV_SCALES": "point it at a readable KV-scales file, or unset it",
     "VLLM_QSA_KV_COLLECT": "point it at an existing writable directory, or unset it",
+    "VLLM_QSA_KV_SCALES_STRICT": "use 1 or 0 (true/false, yes/no, on/off), or unset it",
+    "VLLM_QSA_KV_COLLECT_INTERVAL": "use a positive number of seconds, or unset it",
     "VLLM_QSA_KV_CLIP_COUNT": "use a positive number of seconds, or unset it",
-    "VLLM_PLE_CPU_OFFLOAD": "use true or false (1/0, yes/no)",
+    "VLLM_PLE_CPU_OFFLOAD": "use 1 or 0 (true/false, yes/no, on/off), or unset it",
+    "VLLM_PLE_PREFETCH": "use 1 or 0 (true/false, yes/no, on/off), or unset it",
 }
 
 
@@ -73,8 +76,9 @@ class ServiceSettings(BaseSettings):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Weight/activation dtype; `auto` takes it from config.json."
     )
-    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
-        "auto", description="KV-cache dtype; `auto` = model dtype."
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "fp8", "fp8_e4m3"] = Field(
+        "auto",
+        description="KV-cache dtype: `auto`/the model dtype, or `fp8` (= `fp8_e4m3`) for the QSA layers.",
     )
     max_model_len: int | None = Field(None, ge=1, description="Context length limit; default: the model's.")
     gpu_memory_utilization: float = Field(
@@ -162,6 +166,22 @@ class ServiceSettings(BaseSettings):
         return keys
 
 
+def _flag(value: Any) -> Any:
+    """The booleans the model code accepts (no wider: pydantic would also take e.g. ``t`` or ``y``)."""
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("1", "true", "yes", "on"):
+            return True
+        if v in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("not a boolean (use 1/0, true/false, yes/no, on/off)")
+    return value
+
+
+Flag = Annotated[bool | None, BeforeValidator(_flag)]
+Seconds = Annotated[float | None, Field(gt=0, allow_inf_nan=False)]
+
+
 class ModelEnv(BaseSettings):
     """The model's own variables; only their form is checked here (the model code validates deeper)."""
 
@@ -170,16 +190,26 @@ class ModelEnv(BaseSettings):
     )
 
     VLLM_QSA_KV_SCALES: Path | None = Field(
-        None, description="QSA FP8 KV-cache scales file for the model code (must be a readable file)."
+        None, description="JSON scale sidecar of the FP8 QSA KV cache (a readable file); FP8 cache only."
+    )
+    VLLM_QSA_KV_SCALES_STRICT: Flag = Field(
+        None,
+        description="Boolean; model default 1: every QSA layer must be in the sidecar (0: missing ones use 1.0).",
     )
     VLLM_QSA_KV_COLLECT: Path | None = Field(
-        None, description="Directory where the model code collects QSA KV statistics (must exist, writable)."
+        None, description="Existing writable directory for KV calibration dumps (running absmax); eager only."
     )
-    VLLM_QSA_KV_CLIP_COUNT: float | None = Field(
-        None, gt=0, description="QSA KV clip-count period for the model code, in seconds (positive)."
+    VLLM_QSA_KV_COLLECT_INTERVAL: Seconds = Field(
+        None, description="Seconds between calibration dumps (positive; model default 30)."
     )
-    VLLM_PLE_CPU_OFFLOAD: bool | None = Field(
-        None, description="Boolean: keep PLE tables in pinned host memory instead of device memory."
+    VLLM_QSA_KV_CLIP_COUNT: Seconds = Field(
+        None, description="Seconds between reads of the FP8 clip counters (positive); FP8 cache only."
+    )
+    VLLM_PLE_CPU_OFFLOAD: Flag = Field(
+        None, description="Boolean; model default 1: PLE tables in pinned host memory (0: in GPU memory)."
+    )
+    VLLM_PLE_PREFETCH: Flag = Field(
+        None, description="Boolean: start PLE row lookups early (model default: on with CUDA only)."
     )
 
     @field_validator("VLLM_QSA_KV_SCALES")

@@ -86,6 +86,9 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
         ("QWEN4EXP_KV_CACHE_DTYPE", "int4"),
         ("QWEN4EXP_METRICS_OPEN", "sometimes"),
         ("VLLM_QSA_KV_CLIP_COUNT", "soon"),
+        ("VLLM_QSA_KV_COLLECT_INTERVAL", "0"),
+        ("VLLM_PLE_PREFETCH", "y"),
+        ("QWEN4EXP_KV_CACHE_DTYPE", "fp8_e5m2"),
     ],
 )
 def test_single_bad_value(model_dir: str, name: str, value: str) -> None:

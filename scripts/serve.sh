@@ -9,6 +9,8 @@ if [ ! -f checkpoints/tiny/model.safetensors ]; then
   .venv/bin/python -m model.checkpoints --preset tiny --out checkpoints/tiny
 fi
 export QWEN4EXP_MODEL="${QWEN4EXP_MODEL:-checkpoints/tiny}"
+# Local demo: loopback unless told otherwise (auth is off when no key is set); the container uses 0.0.0.0.
+export QWEN4EXP_HOST="${QWEN4EXP_HOST:-127.0.0.1}"
 # On vLLM's CPU build the KV cache is sized by this (GiB); keep the demo small.
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 exec .venv/bin/python -m service

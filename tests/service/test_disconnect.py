@@ -38,3 +38,17 @@ def test_disconnect_mid_stream_aborts_the_engine_request(server: Server) -> None
     assert server.gauge("qwen4exp_admission_running") == 0
     generated = server.gauge("vllm:generation_tokens_total") - generated_before
     assert 20 <= generated < LONG / 4, generated  # stopped early, not run to max_tokens
+
+
+def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts_too(server: Server) -> None:
+    assert server.wait_engine_idle() == (0, 0)
+    generated_before = server.gauge("vllm:generation_tokens_total")
+    body = {"model": "tiny", "prompt": "Go on.", "max_tokens": LONG, "ignore_eos": True}
+    try:
+        httpx.post(server.url + "/v1/completions", headers=server.auth, json=body, timeout=2.0)
+        raise AssertionError("the request should not finish within 2 s")
+    except httpx.ReadTimeout:
+        pass  # the client gave up and closed the connection
+    assert server.wait_engine_idle(timeout=10) == (0, 0)
+    generated = server.gauge("vllm:generation_tokens_total") - generated_before
+    assert generated < LONG / 4, generated

@@ -31,11 +31,14 @@ from model.kernels.ple_gather import default_launch_config, is_supported, ple_ga
 from model.ops.ple_storage import alloc_pinned_host, check_uva_support, make_storage, storage_from_table
 from model.ops.ple_tables import (
     FORMATS,
+    dequantize_rows,
     lookup_raw_ref,
     lookup_ref,
     make_table,
+    raw_row_bytes,
     shard_bounds,
     slice_table,
+    split_row_bytes,
 )
 
 GiB = 1 << 30
@@ -236,11 +239,98 @@ def correctness() -> None:
                 check(f"{tag} graph replay {rep}", same(res_pf, want) and same(res_direct, want))
             del graph
 
+    model_paths(g)
+
     # Global ids beyond 2**31 (int64 id arithmetic) on a small shard.
     full = make_table("bf16", torch.randn(300, 128).bfloat16(), vocab_start=3_000_000_000)
     st = storage_from_table("pinned", full, device=DEV)
     ids_cpu = torch.randint(3_000_000_000 - 5, 3_000_000_000 + 305, (1000,))
     check("ids > 2**31", same(st.lookup(ids_cpu.to(DEV)), lookup_ref(full, ids_cpu)))
+
+
+def model_paths(g: torch.Generator) -> None:
+    """The storage paths the vLLM layer (``NgramTable``) uses, on the GPU.
+
+    Checkpoint-style loading (rows, block scales and the global scale as separate tensors, the
+    scale last) into pinned storage; ETP with quantized tables (each rank gathers raw bytes, the
+    bytes are summed over ranks, dequantized once); and raw prefetches, eager and replayed in a
+    CUDA graph with the prefetch buffer reserved before capture.
+    """
+    total, dim, tp = 5000, 128, 3
+    for fmt in ("fp8_e4m3", "nvfp4"):
+        w = (torch.randn(total, dim, generator=g) * 0.05 * torch.logspace(-3, 0, total)[:, None]).bfloat16()
+        full = make_table(fmt, w, vocab_start=0)
+        ids_cpu = torch.randint(-10, total + 10, (333, 4), generator=g)
+        ids = ids_cpu.to(DEV)
+        ref = lookup_ref(full, ids_cpu)
+        shards = []
+        for r in range(tp):
+            a, b = shard_bounds(total, r, tp)
+            st = make_storage("pinned", fmt, a, b, dim, global_scale=None, device=DEV)
+            for lo in range(0, total, 1700):  # checkpoint pieces unaligned with the rank's range
+                part = slice_table(full, lo, min(total, lo + 1700))
+                st.load_data_rows(lo, part.data)
+                if part.block_scales is not None:
+                    st.load_block_scale_rows(lo, part.block_scales)
+            st.set_global_scale(full.global_scale)
+            shards.append(st)
+        check(f"{fmt} checkpoint-style load complete", all(s.fully_loaded for s in shards))
+        acc = None
+        for st in shards:
+            part = raw_row_bytes(*st.lookup_raw(ids)).to(torch.int32)
+            acc = part if acc is None else acc + part
+        torch.cuda.synchronize()
+        check(f"{fmt} ETP raw bytes: one owner per row", int(acc.max()) <= 255)
+        data, scales = split_row_bytes(fmt, acc.to(torch.uint8), dim)
+        check(
+            f"{fmt} ETP raw-sum dequantized == ref",
+            same(dequantize_rows(fmt, data, scales, full.global_scale), ref),
+        )
+        total_deq = sum(st.lookup(ids).float() for st in shards)
+        check(f"{fmt} ETP dequantized sum == ref", torch.equal(total_deq.cpu(), ref.float()))
+
+        st = shards[1]
+        want_d, want_s = lookup_raw_ref(st.table, ids_cpu)
+        st.reserve_prefetch(ids.numel(), raw=True)
+        st.start_prefetch(ids, raw=True)
+        y = torch.randn(256, 2048, device=DEV, dtype=torch.bfloat16) @ torch.randn(
+            2048, 2048, device=DEV, dtype=torch.bfloat16
+        )
+        d, s_ = st.wait_prefetch_raw()
+        torch.cuda.synchronize()
+        check(f"{fmt} raw prefetch == lookup_raw", same(d, want_d) and (want_s is None or same(s_, want_s)))
+        del y
+
+        static_ids = ids.clone()
+        res_d = torch.empty_like(d)
+        res_s = None if s_ is None else torch.empty_like(s_)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                st.start_prefetch(static_ids, raw=True)
+                dd, ss = st.wait_prefetch_raw()
+                res_d.copy_(dd)
+                if res_s is not None:
+                    res_s.copy_(ss)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            st.start_prefetch(static_ids, raw=True)
+            dd, ss = st.wait_prefetch_raw()
+            res_d.copy_(dd)
+            if res_s is not None:
+                res_s.copy_(ss)
+        for rep in range(2):
+            new_ids = torch.randint(-10, total + 10, (333, 4), generator=g)
+            static_ids.copy_(new_ids.to(DEV))
+            graph.replay()
+            torch.cuda.synchronize()
+            wd, ws = lookup_raw_ref(st.table, new_ids)
+            check(
+                f"{fmt} raw prefetch graph replay {rep}", same(res_d, wd) and (ws is None or same(res_s, ws))
+            )
+        del graph
 
 
 # --------------------------------------------------------------------------------------------

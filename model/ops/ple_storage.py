@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import threading
 from typing import Literal
 
@@ -29,6 +30,14 @@ from model.kernels import ple_gather as _pg
 from model.ops.ple_tables import FORMATS, PleTable, fp32_exact, lookup_raw_ref, lookup_ref, row_shapes
 
 StorageMode = Literal["device", "pinned"]
+
+CPU_OFFLOAD_ENV = "VLLM_PLE_CPU_OFFLOAD"
+"""1 (default): PLE tables in host memory ("pinned" storage); 0: on the compute device."""
+PREFETCH_ENV = "VLLM_PLE_PREFETCH"
+"""1: start each PLE layer's lookup one decoder layer early; default on with CUDA, off on CPU."""
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 # Side-stream prefetches use at most max(8, SM count / this) programs; see PinnedHostPleStorage.
 PREFETCH_SM_DIVISOR = 16
@@ -194,7 +203,7 @@ class PleStorage:
         vocab_end: int,
         dim: int,
         *,
-        global_scale: float = 1.0,
+        global_scale: float | None = 1.0,
         device: torch.device | str | None = None,
         out_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
@@ -202,13 +211,16 @@ class PleStorage:
             raise ValueError(f"unknown PLE table format {fmt!r}; expected one of {FORMATS}")
         if vocab_end < vocab_start:
             raise ValueError(f"bad vocab range [{vocab_start}, {vocab_end})")
-        if fmt == "bf16" and global_scale != 1.0:
+        if fmt == "bf16" and global_scale not in (None, 1.0):
             raise ValueError("bf16 tables have no global scale")
         self.format = fmt
         self.vocab_start = int(vocab_start)
         self.vocab_end = int(vocab_end)
         self.dim = int(dim)
-        self.global_scale = fp32_exact(global_scale)
+        # ``global_scale=None`` defers it: checkpoints store the scale in its own tensor, which
+        # may arrive after the rows; rows are raw codes, so they can be stored before it is known.
+        self._scale_known = global_scale is not None or fmt == "bf16"
+        self.global_scale = fp32_exact(1.0 if global_scale is None else global_scale)
         self.out_dtype = out_dtype
         self.device = torch.device(device) if device is not None else _default_device()
         if self.device.type == "cuda" and self.device.index is None:
@@ -217,8 +229,12 @@ class PleStorage:
         self.data: torch.Tensor
         self.block_scales: torch.Tensor | None = None
         self._loaded: list[tuple[int, int]] = []
+        self._loaded_scales: list[tuple[int, int]] = []
         # prefetch state
         self._pf_buf: torch.Tensor | None = None
+        self._pf_raw: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._pf_raw_views: tuple[torch.Tensor, torch.Tensor | None] = (torch.empty(0), None)
+        self._pf_pending_raw = False
         self._pf_stream: torch.cuda.Stream | None = None
         self._pf_fork: torch.cuda.Event | None = None
         self._pf_join: torch.cuda.Event | None = None
@@ -260,11 +276,44 @@ class PleStorage:
         return 0
 
     @property
+    def location(self) -> str:
+        """Where the rows live: ``"device"`` (GPU memory), ``"pinned"`` (page-locked host memory
+        read through UVA) or ``"cpu"`` (ordinary RAM: vLLM's CPU build)."""
+        return "cpu" if self.data.device.type == "cpu" else "device"
+
+    @property
+    def global_scale_known(self) -> bool:
+        return self._scale_known
+
+    def set_global_scale(self, value: float) -> None:
+        """Fix the table's fp32 global scale; a later, different value raises ValueError.
+
+        Why fail instead of overwrite: rows quantized with another scale would decode silently
+        wrong, and one table has exactly one scale.
+        """
+        if self.format == "bf16":
+            raise ValueError("bf16 tables have no global scale")
+        v = fp32_exact(value)
+        if not (v > 0.0 and v != float("inf")):
+            raise ValueError(f"global scale must be a finite positive fp32 value, got {value}")
+        if self._scale_known and v != self.global_scale:
+            raise ValueError(f"global scale {value} differs from the table's {self.global_scale}")
+        self.global_scale = v
+        self._scale_known = True
+
+    @property
     def fully_loaded(self) -> bool:
-        return self.num_rows == 0 or self._loaded == [(self.vocab_start, self.vocab_end)]
+        """Every row (and, for nvfp4, every block-scale row) stored and the global scale known."""
+        return self.missing_rows() == 0 and self.missing_scale_rows() == 0 and self._scale_known
 
     def missing_rows(self) -> int:
         return self.num_rows - sum(e - s for s, e in self._loaded)
+
+    def missing_scale_rows(self) -> int:
+        """Rows whose nvfp4 block scales are not loaded yet (0 for formats without them)."""
+        if self._scale_shape is None:
+            return 0
+        return self.num_rows - sum(e - s for s, e in self._loaded_scales)
 
     def _alloc(self, on: torch.device, pin: bool, huge_pages: bool, interleave: bool = False) -> None:
         """Allocate uninitialized tensors; ``interleave`` puts nvfp4 scales inside each data row.
@@ -294,6 +343,50 @@ class PleStorage:
             else:
                 self.block_scales = torch.empty(s_shape, dtype=torch.uint8, device=on)
 
+    def _overlap(self, row_start: int, n: int) -> tuple[slice, slice, int, int] | None:
+        a = max(int(row_start), self.vocab_start)
+        b = min(int(row_start) + n, self.vocab_end)
+        if a >= b:
+            return None
+        return slice(a - row_start, b - row_start), slice(a - self.vocab_start, b - self.vocab_start), a, b
+
+    def load_data_rows(self, row_start: int, rows: torch.Tensor) -> int:
+        """Copy the storage-layout ``rows`` (first row = GLOBAL id ``row_start``) that this rank owns.
+
+        Separate from the block scales because checkpoints keep them in separate tensors; each is
+        copied straight into the allocation as it arrives (no staging copy of a shard).
+        """
+        if rows.dim() != 2 or rows.shape[1] != self._width or rows.dtype != self._dtype:
+            raise ValueError(
+                f"rows must be {self._dtype} [n, {self._width}], got {rows.dtype} {list(rows.shape)}"
+            )
+        ov = self._overlap(row_start, rows.shape[0])
+        if ov is None:
+            return 0
+        src, dst, a, b = ov
+        self.data[dst].copy_(rows[src])
+        self._loaded = _merge_interval(self._loaded, a, b)
+        return b - a
+
+    def load_block_scale_rows(self, row_start: int, block_scales: torch.Tensor) -> int:
+        """nvfp4: copy the owned part of uint8 E4M3 block scales ``[n, D/16]`` into the allocation."""
+        if self._scale_shape is None:
+            raise ValueError(f"{self.format} tables have no block scales")
+        s_w = self._scale_shape[0]
+        if block_scales.dim() != 2 or block_scales.shape[1] != s_w or block_scales.dtype != torch.uint8:
+            raise ValueError(
+                f"nvfp4 block scales must be uint8 [n, {s_w}], got "
+                f"{block_scales.dtype} {list(block_scales.shape)}"
+            )
+        ov = self._overlap(row_start, block_scales.shape[0])
+        if ov is None:
+            return 0
+        src, dst, a, b = ov
+        assert self.block_scales is not None
+        self.block_scales[dst].copy_(block_scales[src])
+        self._loaded_scales = _merge_interval(self._loaded_scales, a, b)
+        return b - a
+
     def load_rows(
         self,
         row_start: int,
@@ -306,8 +399,9 @@ class PleStorage:
 
         ``rows`` (and, for nvfp4, ``block_scales``) are in storage layout. Only the part that
         overlaps this rank's range is copied, so every rank can be handed whole checkpoint shards.
-        ``global_scale``, when given, must equal the storage's: data quantized with another scale
-        would silently decode wrong. Returns the number of rows stored.
+        ``global_scale``, when given, must equal the storage's (or fixes it if still unknown):
+        data quantized with another scale would silently decode wrong. Returns the number of rows
+        stored.
         """
         if rows.dim() != 2 or rows.shape[1] != self._width or rows.dtype != self._dtype:
             raise ValueError(
@@ -318,20 +412,14 @@ class PleStorage:
                 raise ValueError(f"nvfp4 rows need uint8 block_scales [n, {self._scale_shape[0]}]")
         elif block_scales is not None:
             raise ValueError(f"{self.format} tables have no block scales")
-        if global_scale is not None and fp32_exact(global_scale) != self.global_scale:
-            raise ValueError(f"global scale {global_scale} differs from the table's {self.global_scale}")
-        a = max(int(row_start), self.vocab_start)
-        b = min(int(row_start) + rows.shape[0], self.vocab_end)
-        if a >= b:
-            return 0
-        src = slice(a - row_start, b - row_start)
-        dst = slice(a - self.vocab_start, b - self.vocab_start)
-        self.data[dst].copy_(rows[src])
+        if global_scale is not None and self.format != "bf16":
+            self.set_global_scale(global_scale)
+        elif global_scale is not None and fp32_exact(global_scale) != 1.0:
+            raise ValueError("bf16 tables have no global scale")
+        n = self.load_data_rows(row_start, rows)
         if block_scales is not None:
-            assert self.block_scales is not None
-            self.block_scales[dst].copy_(block_scales[src])
-        self._loaded = _merge_interval(self._loaded, a, b)
-        return b - a
+            self.load_block_scale_rows(row_start, block_scales)
+        return n
 
     def load_table(self, table: PleTable) -> int:
         """Load every overlapping row of ``table`` (a full table or any shard of it)."""
@@ -361,6 +449,10 @@ class PleStorage:
         Ids this rank does not own give zero rows. With ``out`` given nothing is allocated on the
         kernel path (safe for CUDA-graph capture) and ``out`` is returned.
         """
+        if not self._scale_known:
+            raise RuntimeError(
+                f"{self.format} PLE table: its global scale was never loaded, rows cannot be dequantized"
+            )
         o = self._prep_out(ids, out, self.dim, out.dtype if out is not None else self.out_dtype)
         if not o.dtype.is_floating_point:
             raise ValueError("lookup writes floating-point rows")
@@ -405,12 +497,26 @@ class PleStorage:
 
     # ---- side-stream prefetch --------------------------------------------------------------
 
-    def reserve_prefetch(self, max_ids: int, stream: torch.cuda.Stream | None = None) -> None:
+    def reserve_prefetch(
+        self, max_ids: int, stream: torch.cuda.Stream | None = None, *, raw: bool = False
+    ) -> None:
         """Preallocate the prefetch output (``max_ids`` rows), side stream and events.
 
-        Call before CUDA-graph capture: nothing may be allocated or created while capturing.
+        ``raw`` reserves storage-layout buffers (rows + nvfp4 scales) for :meth:`lookup_raw`
+        prefetches, used when ETP ranks reduce raw bytes. Call before CUDA-graph capture:
+        nothing may be allocated or created while capturing.
         """
-        if self._pf_buf is None or self._pf_buf.shape[0] < max_ids:
+        if raw:
+            have = self._pf_raw[0].shape[0] if self._pf_raw is not None else -1
+            if have < max_ids:
+                data = torch.empty((max_ids, self._width), dtype=self._dtype, device=self.device)
+                scales = None
+                if self._scale_shape is not None:
+                    scales = torch.empty(
+                        (max_ids, self._scale_shape[0]), dtype=torch.uint8, device=self.device
+                    )
+                self._pf_raw = (data, scales)
+        elif self._pf_buf is None or self._pf_buf.shape[0] < max_ids:
             self._pf_buf = torch.empty((max_ids, self.dim), dtype=self.out_dtype, device=self.device)
         if self.device.type == "cuda":
             if stream is not None:
@@ -421,30 +527,48 @@ class PleStorage:
                 self._pf_fork = torch.cuda.Event()
                 self._pf_join = torch.cuda.Event()
 
-    def start_prefetch(self, ids: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
-        """Begin ``lookup(ids)`` on a side stream; :meth:`wait_prefetch` joins and returns it.
+    def _reserved_rows(self, raw: bool) -> int:
+        if raw:
+            return -1 if self._pf_raw is None else self._pf_raw[0].shape[0]
+        return -1 if self._pf_buf is None else self._pf_buf.shape[0]
 
-        The side stream first waits for the current stream (so ``ids`` are ready), runs the
-        gather into the reserved buffer, and records a join event. Capturable in a CUDA graph
-        (fork/join via events). On CPU the lookup simply runs now.
+    def start_prefetch(
+        self, ids: torch.Tensor, stream: torch.cuda.Stream | None = None, *, raw: bool = False
+    ) -> None:
+        """Begin ``lookup(ids)`` (or ``lookup_raw`` with ``raw``) on a side stream.
+
+        :meth:`wait_prefetch` (:meth:`wait_prefetch_raw`) joins and returns it. The side stream
+        first waits for the current stream (so ``ids`` are ready), runs the gather into the
+        reserved buffer, and records a join event. Capturable in a CUDA graph (fork/join via
+        events). Without CUDA (vLLM's CPU build) the lookup simply runs now.
         """
         if self._pf_pending is not None:
             raise RuntimeError("a prefetch is already in flight; call wait_prefetch() first")
         n = ids.numel()
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if (
-            self._pf_buf is None
-            or self._pf_buf.shape[0] < n
-            or (stream is not None and stream != self._pf_stream)
-        ):
+        have = self._reserved_rows(raw)
+        if have < n or (stream is not None and stream != self._pf_stream):
             if capturing:
                 raise RuntimeError("call reserve_prefetch(max_ids) before CUDA-graph capture")
-            self.reserve_prefetch(max(n, 0 if self._pf_buf is None else self._pf_buf.shape[0]), stream)
-        assert self._pf_buf is not None
-        view = self._pf_buf[:n].view(*ids.shape, self.dim)
-        if self.device.type != "cuda":
+            self.reserve_prefetch(max(n, have), stream, raw=raw)
+
+        def run() -> torch.Tensor:
+            if raw:
+                assert self._pf_raw is not None
+                d, sc = self._pf_raw
+                d_view = d[:n].view(*ids.shape, d.shape[1])
+                s_view = None if sc is None else sc[:n].view(*ids.shape, sc.shape[1])
+                self.lookup_raw(ids, out=d_view, out_scales=s_view)
+                self._pf_raw_views = (d_view, s_view)
+                return d_view
+            assert self._pf_buf is not None
+            view = self._pf_buf[:n].view(*ids.shape, self.dim)
             self.lookup(ids, out=view)
-            self._pf_pending = (ids, view)
+            return view
+
+        if self.device.type != "cuda":
+            self._pf_pending = (ids, run())
+            self._pf_pending_raw = raw
             return
         assert self._pf_stream is not None and self._pf_fork is not None and self._pf_join is not None
         self._pf_fork.record(torch.cuda.current_stream(self.device))
@@ -452,13 +576,31 @@ class PleStorage:
         with torch.cuda.stream(self._pf_stream):
             self._in_prefetch = True
             try:
-                self.lookup(ids, out=view)
+                view = run()
             finally:
                 self._in_prefetch = False
         self._pf_join.record(self._pf_stream)
         # Holding ids until the join keeps the caching allocator from reusing its memory while the
         # side stream may still read it.
         self._pf_pending = (ids, view)
+        self._pf_pending_raw = raw
+
+    @property
+    def prefetch_pending(self) -> bool:
+        return self._pf_pending is not None
+
+    def _join(self, raw: bool) -> None:
+        if self._pf_pending is None:
+            raise RuntimeError("no prefetch in flight")
+        if self._pf_pending_raw != raw:
+            want = "wait_prefetch_raw" if self._pf_pending_raw else "wait_prefetch"
+            raise RuntimeError(
+                f"the prefetch in flight was started with raw={self._pf_pending_raw}; use {want}()"
+            )
+        if self.device.type == "cuda":
+            assert self._pf_join is not None
+            torch.cuda.current_stream(self.device).wait_event(self._pf_join)
+        self._pf_pending = None
 
     def wait_prefetch(self) -> torch.Tensor:
         """Make the current stream wait for the prefetch and return its ``[..., D]`` rows.
@@ -466,14 +608,15 @@ class PleStorage:
         The returned tensor is a view of the reserved buffer: it is overwritten by the next
         prefetch, so consume (or copy) it first.
         """
-        if self._pf_pending is None:
-            raise RuntimeError("no prefetch in flight")
-        _, view = self._pf_pending
-        if self.device.type == "cuda":
-            assert self._pf_join is not None
-            torch.cuda.current_stream(self.device).wait_event(self._pf_join)
-        self._pf_pending = None
-        return view
+        pending = self._pf_pending
+        self._join(raw=False)
+        assert pending is not None
+        return pending[1]
+
+    def wait_prefetch_raw(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Join a ``raw=True`` prefetch: ``(rows [..., W], nvfp4 scales [..., S] | None)`` views."""
+        self._join(raw=True)
+        return self._pf_raw_views
 
 
 class DevicePleStorage(PleStorage):
@@ -531,6 +674,10 @@ class PinnedHostPleStorage(PleStorage):
     def pinned_bytes(self) -> int:
         return self.table_bytes() if self._uva else 0
 
+    @property
+    def location(self) -> str:
+        return "pinned" if self._uva else "cpu"
+
     def _lookup_impl(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         if not self._uva:
             self._torch_lookup(ids, out)
@@ -584,13 +731,16 @@ def make_storage(
     vocab_end: int,
     dim: int,
     *,
-    global_scale: float = 1.0,
+    global_scale: float | None = 1.0,
     device: torch.device | str | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     huge_pages: bool = False,
     interleave_scales: bool = True,
 ) -> PleStorage:
     """Allocate (uninitialized) storage for rows ``[vocab_start, vocab_end)``; fill with ``load_rows``.
+
+    ``global_scale=None`` (fp8/nvfp4) leaves the scale to be set by ``set_global_scale`` or
+    ``load_rows(global_scale=...)``, as checkpoint loading does.
 
     ``huge_pages`` and ``interleave_scales`` (nvfp4 scales stored inside each row, one host
     access per looked-up row) apply to ``"pinned"`` only. ``mode="pinned"`` on a CUDA platform
@@ -621,3 +771,110 @@ def storage_from_table(
     st = make_storage(mode, table.format, a, b, table.dim, global_scale=table.global_scale, **kwargs)
     st.load_table(table)
     return st
+
+
+# --------------------------------------------------------------------------------------------
+# Releasing checkpoint pages after a shard was copied
+# --------------------------------------------------------------------------------------------
+
+_MADV_DONTNEED = 4
+
+
+def _checkpoint_mapping(addr: int, end: int) -> bool:
+    """Whether ``[addr, end)`` lies in one mapping of a ``*.safetensors`` file in this process."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if lo <= addr < hi:
+                    inode = fields[4]
+                    path = fields[5].strip() if len(fields) > 5 else ""
+                    return (
+                        end <= hi and inode != "0" and path.startswith("/") and path.endswith(".safetensors")
+                    )
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
+def release_file_pages(t: torch.Tensor) -> int:
+    """Drop this process's resident pages of ``t`` if it is a view of a mapped safetensors file.
+
+    Why: vLLM's default safetensors iterator hands out tensors that are views of the mmapped
+    checkpoint. After a shard was copied into the storage allocation its pages would stay mapped
+    (and counted in RSS) until the whole file is closed, so RSS would peak at two copies of the
+    tables. ``madvise(MADV_DONTNEED)`` on a file mapping unmaps the pages; a later read faults
+    them in again from the file, so the tensor keeps reading the checkpoint's bytes (only an
+    in-place modification of this very tensor, which loading never makes, would be undone).
+    Only whole pages inside the tensor are released, and only inside a ``*.safetensors``
+    mapping: anonymous memory is never touched (there it would zero the data). Linux only;
+    returns the bytes released (0 if nothing was done).
+    """
+    if (
+        t.device.type != "cpu"
+        or t.numel() == 0
+        or not t.is_contiguous()
+        or not os.path.exists("/proc/self/maps")
+    ):
+        return 0
+    page = mmap.PAGESIZE
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    lo = (start + page - 1) // page * page  # only whole pages inside the tensor
+    hi = end // page * page
+    if hi <= lo or not _checkpoint_mapping(start, end):
+        return 0
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
+        return 0
+    return hi - lo
+
+
+# --------------------------------------------------------------------------------------------
+# Environment switches
+# --------------------------------------------------------------------------------------------
+
+
+def parse_env_flag(name: str, value: str | None) -> bool | None:
+    """``None`` if unset/empty, else the boolean; ValueError naming the variable if malformed.
+
+    Strict on purpose: a typo such as ``VLLM_PLE_CPU_OFFLOAD=of`` must stop start-up rather than
+    silently pick a mode that needs tens of GiB more GPU memory.
+    """
+    if value is None or value.strip() == "":
+        return None
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ValueError(
+        f"{name}={value!r} is not a valid value: use 1/0 (also true/false, yes/no, on/off), "
+        "or leave it unset for the default"
+    )
+
+
+def storage_mode_from_env(environ: dict[str, str] | None = None) -> StorageMode:
+    """The PLE storage mode selected by ``VLLM_PLE_CPU_OFFLOAD`` (default: on, i.e. ``"pinned"``).
+
+    On CUDA, ``"pinned"`` keeps tables in page-locked host memory read through UVA (start-up
+    fails if the GPU cannot); ``"device"`` puts them in GPU memory. On vLLM's CPU build both
+    keep them in ordinary RAM and look rows up with torch; only the storage class differs.
+    """
+    env = os.environ if environ is None else environ
+    flag = parse_env_flag(CPU_OFFLOAD_ENV, env.get(CPU_OFFLOAD_ENV))
+    return "device" if flag is False else "pinned"
+
+
+def prefetch_from_env(cuda: bool, environ: dict[str, str] | None = None) -> bool:
+    """Whether PLE lookups are started early (``VLLM_PLE_PREFETCH``; default: only with CUDA).
+
+    On CPU a "prefetch" runs synchronously at the earlier point (there is no side stream); it is
+    off by default there and can be switched on to exercise the same code path in tests.
+    """
+    env = os.environ if environ is None else environ
+    flag = parse_env_flag(PREFETCH_ENV, env.get(PREFETCH_ENV))
+    return cuda if flag is None else flag

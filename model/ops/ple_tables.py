@@ -54,6 +54,28 @@ def _check_format(fmt: str) -> None:
         raise ValueError(f"unknown PLE table format {fmt!r}; expected one of {FORMATS}")
 
 
+# Spellings accepted in checkpoint configs. "fp8" alone is rejected on purpose: it does not say
+# which of E4M3/E5M2 the codes are, and decoding with the wrong one is silently wrong.
+_FORMAT_ALIASES = {
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp8_e4m3": "fp8_e4m3",
+    "float8_e4m3fn": "fp8_e4m3",
+    "nvfp4": "nvfp4",
+}
+
+
+def parse_format(value: object, source: str) -> str:
+    """Canonical table format for a config value; ValueError naming ``source`` and the choices."""
+    key = value.strip().lower() if isinstance(value, str) else value
+    if key not in _FORMAT_ALIASES:
+        raise ValueError(
+            f"{source} = {value!r} is not a PLE table format; use one of "
+            f"{sorted(_FORMAT_ALIASES)} (canonical: {list(FORMATS)})"
+        )
+    return _FORMAT_ALIASES[key]
+
+
 def fp32_exact(x: float) -> float:
     """Round a Python float to the nearest fp32 value.
 
@@ -283,18 +305,52 @@ def _global_amax(w: torch.Tensor) -> float:
     return amax
 
 
-def quantize_fp8_rows(w_bf16: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """``[V, D]`` float -> ``(uint8 E4M3 codes [V, D], fp32 global scale)``.
-
-    One per-tensor scale maps the table's absmax to 448; rounding is torch's round-to-nearest-even
-    cast to float8_e4m3fn. An all-zero table gets scale 1.0.
-    """
-    if w_bf16.dim() != 2:
-        raise ValueError("expected a 2-D [rows, dim] tensor")
-    amax = _global_amax(w_bf16)
+def fp8_global_scale(amax: float) -> float:
+    """The fp32 global scale that maps a table absmax of ``amax`` to E4M3's 448 (1.0 for all-zero)."""
     scale = fp32_exact(amax / E4M3_MAX) if amax > 0 else 1.0
     if scale == 0.0:  # amax is tiny enough that amax/448 underflows fp32
         scale = fp32_exact(float.fromhex("0x1p-149"))
+    return scale
+
+
+def nvfp4_global_scale(amax: float) -> float:
+    """The fp32 global scale that maps a table absmax to ``448 * 6`` (E4M3 block scale x E2M1 max)."""
+    scale = fp32_exact(amax / (E4M3_MAX * E2M1_MAX)) if amax > 0 else 1.0
+    if scale == 0.0:
+        scale = fp32_exact(float.fromhex("0x1p-149"))
+    return scale
+
+
+def table_amax(parts) -> float:
+    """Absmax over several ``[rows, D]`` pieces of one table (e.g. its checkpoint shards).
+
+    Why: a PLE table has ONE global scale, but checkpoints split it into ``split_ngram_parts``
+    shards; converting shard by shard needs the whole table's absmax first.
+    """
+    return max((_global_amax(p) for p in parts), default=0.0)
+
+
+def _check_given_scale(global_scale: float) -> float:
+    gs = fp32_exact(global_scale)
+    if not (gs > 0.0 and gs != float("inf")):
+        raise ValueError(f"global scale must be a finite positive fp32 value, got {global_scale}")
+    return gs
+
+
+def quantize_fp8_rows(w_bf16: torch.Tensor, global_scale: float | None = None) -> tuple[torch.Tensor, float]:
+    """``[V, D]`` float -> ``(uint8 E4M3 codes [V, D], fp32 global scale)``.
+
+    One per-tensor scale maps the table's absmax to 448; rounding is torch's round-to-nearest-even
+    cast to float8_e4m3fn. An all-zero table gets scale 1.0. ``global_scale`` overrides the
+    scale (values beyond ``448 * scale`` saturate): used to quantize the shards of one table with
+    the scale of the whole table.
+    """
+    if w_bf16.dim() != 2:
+        raise ValueError("expected a 2-D [rows, dim] tensor")
+    if global_scale is None:
+        scale = fp8_global_scale(_global_amax(w_bf16))
+    else:
+        scale = _check_given_scale(global_scale)
     scale_t = torch.tensor(scale, dtype=torch.float32)
     codes = torch.empty(w_bf16.shape, dtype=torch.uint8, device=w_bf16.device)
     for r0 in range(0, w_bf16.shape[0], _QUANT_CHUNK_ROWS):
@@ -314,24 +370,27 @@ def _encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     return mag | sign
 
 
-def quantize_nvfp4_rows(w_bf16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+def quantize_nvfp4_rows(
+    w_bf16: torch.Tensor, global_scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``[V, D]`` float -> ``(packed uint8 [V, D/2], E4M3 block scales uint8 [V, D/16], fp32 scale)``.
 
     Two-level scaling as in NVIDIA's NVFP4: the global scale maps the table absmax to
     ``448 * 6`` so block scales use E4M3's full range; each block of 16 values gets the E4M3 scale
     nearest to ``block_amax / 6 / global``, and values are rounded to the nearest E2M1 magnitude
     after dividing by the *decoded* block scale (so quantization error is measured against what
-    the kernel will actually reconstruct).
+    the kernel will actually reconstruct). ``global_scale`` overrides the table-level scale (to
+    quantize every checkpoint shard of one table with the whole table's scale).
     """
     if w_bf16.dim() != 2:
         raise ValueError("expected a 2-D [rows, dim] tensor")
     rows, dim = w_bf16.shape
     if dim % NVFP4_BLOCK != 0:
         raise ValueError(f"nvfp4 needs dim divisible by {NVFP4_BLOCK}, got {dim}")
-    amax = _global_amax(w_bf16)
-    gscale = fp32_exact(amax / (E4M3_MAX * E2M1_MAX)) if amax > 0 else 1.0
-    if gscale == 0.0:
-        gscale = fp32_exact(float.fromhex("0x1p-149"))
+    if global_scale is None:
+        gscale = nvfp4_global_scale(_global_amax(w_bf16))
+    else:
+        gscale = _check_given_scale(global_scale)
     packed = torch.empty((rows, dim // 2), dtype=torch.uint8, device=w_bf16.device)
     scales = torch.empty((rows, dim // NVFP4_BLOCK), dtype=torch.uint8, device=w_bf16.device)
     min_sub = float.fromhex("0x1p-9")  # smallest positive E4M3 subnormal
@@ -358,17 +417,21 @@ def make_table(
     w: torch.Tensor,
     vocab_start: int = 0,
     vocab_end: int | None = None,
+    global_scale: float | None = None,
 ) -> PleTable:
-    """Quantize a float ``[V, D]`` shard into a :class:`PleTable` of format ``fmt`` (tests, tools)."""
+    """Quantize a float ``[V, D]`` shard into a :class:`PleTable` of format ``fmt`` (tests, tools).
+
+    ``global_scale`` (quantized formats) fixes the scale instead of deriving it from ``w``.
+    """
     _check_format(fmt)
     end = vocab_start + w.shape[0] if vocab_end is None else vocab_end
     dim = w.shape[1]
     if fmt == "bf16":
         return PleTable(fmt, w.to(torch.bfloat16).contiguous(), None, 1.0, vocab_start, end, dim)
     if fmt == "fp8_e4m3":
-        codes, gs = quantize_fp8_rows(w)
+        codes, gs = quantize_fp8_rows(w, global_scale)
         return PleTable(fmt, codes, None, gs, vocab_start, end, dim)
-    packed, bs, gs = quantize_nvfp4_rows(w)
+    packed, bs, gs = quantize_nvfp4_rows(w, global_scale)
     return PleTable(fmt, packed, bs, gs, vocab_start, end, dim)
 
 
@@ -379,3 +442,142 @@ def slice_table(table: PleTable, start: int, end: int) -> PleTable:
     a, b = start - table.vocab_start, end - table.vocab_start
     bs = None if table.block_scales is None else table.block_scales[a:b]
     return PleTable(table.format, table.data[a:b], bs, table.global_scale, start, end, table.dim)
+
+
+# --------------------------------------------------------------------------------------------
+# ETP groups whose members hold different batches (groups spanning data-parallel ranks)
+# --------------------------------------------------------------------------------------------
+#
+# Within one tensor-parallel group every rank sees the same ids, so each rank looks up the rows
+# it owns and the partial results are all-reduced. When the embedding-parallel group spans
+# data-parallel replicas, members hold different batches. Then every member publishes its ids in
+# a fixed number of slots (padded with -1, an id nobody owns), looks up ALL members' slots in its
+# own shard, and a reduce-scatter hands each member the sum over the group of the rows of its own
+# slots. Every row has exactly one owner, so the sum is done on raw bytes (uint8): exact for bf16
+# rows, fp8 codes and nvfp4 packed codes + block scales alike, and 1 or ~0.56 bytes per value
+# travel instead of 2.
+
+
+def etp_pad_ids(ids: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``ids`` flattened into ``capacity`` int64 slots, padded with -1 (never owned -> zero rows).
+
+    A fixed capacity (e.g. ``max_num_batched_tokens * heads``) keeps every collective's shape
+    static, which CUDA graphs need and which lets members with different batch sizes meet.
+    """
+    flat = ids.reshape(-1)
+    if flat.numel() > capacity:
+        raise ValueError(f"{flat.numel()} ids do not fit in {capacity} ETP slots")
+    out = torch.full((capacity,), -1, dtype=torch.int64, device=ids.device)
+    out[: flat.numel()] = flat.to(torch.int64)
+    return out
+
+
+def etp_select_own(reduced: torch.Tensor, rank: int, num_ids: int) -> torch.Tensor:
+    """Member ``rank``'s first ``num_ids`` slots of a group-wide ``[G, capacity, ...]`` result.
+
+    The all-reduce formulation of the last step (reduce everything, keep your own block), for
+    backends without reduce-scatter; a reduce-scatter returns exactly this block.
+    """
+    return reduced[rank, :num_ids]
+
+
+def raw_row_bytes(data: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """Raw lookup results ``[..., W]`` (+ nvfp4 scales ``[..., S]``) as one uint8 ``[..., B]`` tensor.
+
+    One buffer means one collective per lookup, and uint8 is a dtype every backend can sum.
+    """
+    lead = data.shape[:-1]
+    parts = [data.contiguous().view(torch.uint8).reshape(*lead, -1)]
+    if scales is not None:
+        parts.append(scales.contiguous().view(torch.uint8).reshape(*lead, -1))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def split_row_bytes(fmt: str, packed: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Inverse of :func:`raw_row_bytes`: uint8 ``[..., B]`` -> (data ``[..., W]``, scales | None)."""
+    (width, dtype), scale_shape = row_shapes(fmt, dim)
+    nbytes = width * torch.empty((), dtype=dtype).element_size()
+    data = packed[..., :nbytes].contiguous().view(dtype)
+    if scale_shape is None:
+        return data, None
+    return data, packed[..., nbytes : nbytes + scale_shape[0]].contiguous()
+
+
+class EtpCollectives:
+    """The two collectives an ETP lookup needs, over ``world_size`` members (``rank`` is ours).
+
+    ``all_gather(t)`` returns ``[world_size, *t.shape]``; ``reduce_scatter_sum(t)`` takes
+    ``[world_size, *rest]`` from every member and returns ``sum over members of t[rank]``.
+    """
+
+    rank: int
+    world_size: int
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def reduce_scatter_sum(self, t: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class TorchDistEtpCollectives(EtpCollectives):
+    """:class:`EtpCollectives` over a ``torch.distributed`` process group.
+
+    NCCL uses ``all_gather_into_tensor``/``reduce_scatter_tensor``; other backends (gloo, on CPU)
+    fall back to list all-gather and all-reduce + :func:`etp_select_own`.
+    """
+
+    def __init__(self, group=None) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._nccl = dist.get_backend(group) == "nccl"
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        out = t.new_empty((self.world_size, *t.shape))
+        if self._nccl:
+            self._dist.all_gather_into_tensor(out, t, group=self.group)
+        else:
+            self._dist.all_gather(list(out.unbind(0)), t, group=self.group)
+        return out
+
+    def reduce_scatter_sum(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        if self._nccl:
+            out = t.new_empty(t.shape[1:])
+            self._dist.reduce_scatter_tensor(out, t, group=self.group)
+            return out
+        buf = t.clone()
+        self._dist.all_reduce(buf, group=self.group)
+        return buf[self.rank]
+
+
+def etp_lookup_raw_across_ranks(
+    fmt: str,
+    dim: int,
+    lookup_raw,
+    ids: torch.Tensor,
+    capacity: int,
+    comm: EtpCollectives,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Raw rows for this member's ``ids`` from a table sharded over an ETP group of different batches.
+
+    ``lookup_raw(ids)`` is this member's shard lookup (e.g. ``PleStorage.lookup_raw``) returning
+    ``(data, scales | None)`` with zero bytes for rows it does not own. Steps: pad ids into
+    ``capacity`` slots, all-gather every member's slots, look them all up locally, reduce-scatter
+    the raw bytes (sum; one owner per row makes it exact), keep this member's ``ids.numel()``
+    rows. Returns ``(data [*ids.shape, W], scales [*ids.shape, S] | None)`` in storage layout;
+    dequantize with :func:`dequantize_rows`.
+    """
+    n = ids.numel()
+    slots = etp_pad_ids(ids, capacity)
+    gathered = comm.all_gather(slots)  # [G, capacity]
+    data, scales = lookup_raw(gathered)
+    mine = comm.reduce_scatter_sum(raw_row_bytes(data, scales))  # [capacity, B]
+    d, s = split_row_bytes(fmt, mine[:n], dim)
+    d = d.reshape(*ids.shape, d.shape[-1])
+    return d, None if s is None else s.reshape(*ids.shape, s.shape[-1])

@@ -35,7 +35,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from model.config_checks import validate_text_config
 
 from .hyper_connection import GatedResidual
-from .ple_layer import SHARD_NAME, Qwen4ExpPLE, ple_state_dtypes, ple_state_shapes
+from .ple_layer import PLEPrefetcher, Qwen4ExpPLE, ple_state_dtypes, ple_state_shapes
 from .qsa_attention import Qwen4ExpQSAAttention
 
 logger = init_logger(__name__)
@@ -101,6 +101,7 @@ class Qwen4ExpModel(nn.Module):
         self.hyper_connection_mixer = GatedResidual(
             config.hc_count, config.hidden_size, config.hc_lowrank, config.rms_norm_eps, with_injection=False
         )
+        self.ple_prefetch = PLEPrefetcher(self.layers)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -112,7 +113,9 @@ class Qwen4ExpModel(nn.Module):
             )
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         streams = hidden.repeat(1, self.config.hc_count)
-        for layer in self.layers:
+        self.ple_prefetch.begin(input_ids)
+        for i, layer in enumerate(self.layers):
+            self.ple_prefetch.before_layer(i)
             streams = layer(streams, positions, input_ids)
         out, _ = self.hyper_connection_mixer.mix(streams)
         return out
@@ -248,10 +251,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 if match and match.group(1) in tables:
                     owner, rest = match.group(1), match.group(2)
                     table = tables[owner]
-                    shard = SHARD_NAME.search(rest)
-                    if shard:
-                        table.load_shard(int(shard.group(1)), tensor, name)
-                        loaded.add(f"{owner}.weight")
+                    if table.load_tensor(rest, tensor, name):
                         continue
                     if rest in _PLE_BUFFERS:
                         table.check_buffer(rest, tensor, name)
@@ -274,6 +274,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
                     raise ValueError(
                         f"checkpoint is missing {owner}.{short}, needed to verify the PLE hash layout"
                     )
+            table.finish_loading(owner)
         return loaded
 
 

@@ -4,13 +4,27 @@
 ``ngram_size - 1`` token ids (so hashing continues across steps and prefill chunks) and the
 last ``(kernel - 1) * dilation`` inputs of the dilated causal conv. ``Qwen4ExpPLE`` owns the
 projections, norms, conv weight and the n-gram table, and adds its output to every residual
-stream. The table is sharded by rows across tensor-parallel ranks (each rank owns a contiguous
-row range, rows of other ranks read as zero, and the ranks' partial embeddings are summed).
+stream.
+
+The n-gram table (``NgramTable``) is the big part: Qwen4-Exp's tables hold ~45B values, far
+more than a 24 GiB card, so by default each rank keeps its rows in page-locked host memory and
+the GPU gathers the looked-up rows through unified addressing (``model.ops.ple_storage``).
+Tables are sharded by rows across tensor-parallel ranks (ETP: each rank owns a contiguous row
+range, rows of other ranks read as zero, and the ranks' partial results are summed). Tables may
+be stored as bf16, FP8 E4M3 or NVFP4 (see ``model.ple_quantize`` for the checkpoint convention);
+quantized rows are gathered in their stored form and dequantized after the lookup.
+
+Prefetch: the rows a PLE layer needs depend only on the token ids and the layer's own state, so
+``PLEPrefetcher`` computes them for every PLE layer at the start of the forward and starts each
+layer's gather on a side stream while the decoder layer before it runs; the layer joins it just
+before use. Without CUDA the lookup runs synchronously in the layer.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,15 +37,37 @@ from vllm.distributed import (
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from model.metrics import ple_table_bytes, tp_rank
+from model.metrics import gauge, ple_table_bytes
 from model.ops.ngram_hash import NgramLayout, next_context, ngram_layout, ngram_row_ids, token_windows
 from model.ops.ple import dilated_causal_conv, ple_gated_values
+from model.ops.ple_storage import (
+    CPU_OFFLOAD_ENV,
+    PleStorage,
+    StorageMode,
+    make_storage,
+    prefetch_from_env,
+    release_file_pages,
+    storage_mode_from_env,
+)
+from model.ops.ple_tables import (
+    dequantize_rows,
+    parse_format,
+    raw_row_bytes,
+    row_shapes,
+    shard_bounds,
+    split_row_bytes,
+)
 
 from .hyper_connection import WeightOnly, ZeroCenteredRMSNorm
 from .qsa_attention import register_layer
 from .step_metadata import StepMetadataBackend, step_metadata
 
+SHARD_TENSOR = re.compile(r"ngram_embedding\.shard_(\d+)\.(weight|weight_scale|weight_global_scale)$")
+"""Checkpoint tensors of one PLE table, relative to ``<layer>.ple.ple_embedding``."""
 SHARD_NAME = re.compile(r"ngram_embedding\.shard_(\d+)\.weight$")
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_CONVERT_HINT = "python -m model.ple_quantize --format {fmt} --src <bf16 checkpoint> --out <dir>"
 
 
 def ple_state_shapes(config, num_spec: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -64,9 +100,59 @@ def layout_for(config, ple_index: int) -> NgramLayout:
 
 def row_shard(total_rows: int, rank: int, world: int) -> tuple[int, int]:
     """Contiguous, near-even split of the table rows across tensor-parallel ranks (ETP)."""
-    base, extra = divmod(total_rows, world)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
+    return shard_bounds(total_rows, rank, world)
+
+
+def resolve_table_format(config) -> str:
+    """The PLE table format of a checkpoint: ``ple_embedding_dtype`` in config.json (default bf16).
+
+    A ``quantization_config`` dict carrying ``ple_embedding_dtype`` is honoured too (tools that
+    record all quantization there); if both are present they must agree.
+    """
+    direct = getattr(config, "ple_embedding_dtype", None)
+    qc = getattr(config, "quantization_config", None)
+    nested = (
+        qc.get("ple_embedding_dtype") if isinstance(qc, dict) else getattr(qc, "ple_embedding_dtype", None)
+    )
+    a = None if direct is None else parse_format(direct, "config.json ple_embedding_dtype")
+    b = (
+        None
+        if nested is None
+        else parse_format(nested, "config.json quantization_config.ple_embedding_dtype")
+    )
+    if a is not None and b is not None and a != b:
+        raise ValueError(
+            f"config.json ple_embedding_dtype={direct!r} contradicts "
+            f"quantization_config.ple_embedding_dtype={nested!r}; keep one of them"
+        )
+    return a or b or "bf16"
+
+
+# ------------------------------------------------------------------------------------------------
+# Metrics
+# ------------------------------------------------------------------------------------------------
+
+
+def ple_pinned_bytes():
+    return gauge(
+        "ple_pinned_bytes",
+        "Page-locked host bytes held by this rank's PLE table rows, by layer (0 without CUDA).",
+        ("layer", "rank"),
+    )
+
+
+def ple_storage_info():
+    return gauge(
+        "ple_storage_info",
+        "1 per PLE table: storage mode (pinned = host memory, VLLM_PLE_CPU_OFFLOAD=1; device) and "
+        "table format (bf16, fp8_e4m3, nvfp4).",
+        ("layer", "rank", "mode", "format"),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Layers
+# ------------------------------------------------------------------------------------------------
 
 
 class PLEState(nn.Module, MambaBase):
@@ -96,33 +182,106 @@ class PLEState(nn.Module, MambaBase):
         return StepMetadataBackend
 
 
-class NgramTable(nn.Module):
-    """This rank's rows of one PLE table, with the config-derived hash layout.
+def _tp_all_reduce_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Sum uint8 partial rows over the tensor-parallel group.
 
-    The storage seam: ``lookup`` is the only way the layer reads rows, so the pinned-host storage
-    can replace the device-resident parameter without touching the layer.
+    vLLM's generic all-reduce may pick float-only fast paths (custom/quick all-reduce), so raw
+    bytes go to NCCL directly (``ncclUint8``), or to torch.distributed where pynccl is absent.
+    """
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    comm = getattr(group.device_communicator, "pynccl_comm", None)
+    if comm is not None and not comm.disabled:
+        out = comm.all_reduce(t)
+        if out is not None:
+            return out
+    out = t.clone()
+    torch.distributed.all_reduce(out, group=group.device_group)
+    return out
+
+
+class NgramTable(nn.Module):
+    """This rank's rows of one PLE table, with the config-derived hash layout and its storage.
+
+    The storage seam: ``lookup`` (or ``start_prefetch``/``wait_prefetch``) is the only way the
+    layer reads rows, whether they sit in GPU memory, in pinned host memory or in plain RAM, and
+    whatever their format. Checkpoint tensors are copied straight into the storage allocation as
+    they arrive (``load_tensor``), so loading never holds a second copy of the table.
     """
 
-    def __init__(self, config, ple_index: int, layer_name: str) -> None:
+    def __init__(
+        self,
+        config,
+        ple_index: int,
+        layer_name: str,
+        *,
+        fmt: str | None = None,
+        mode: StorageMode | None = None,
+        device: torch.device | str | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        prefetch: bool = False,
+        max_tokens: int = 0,
+    ) -> None:
         super().__init__()
         self.layout = layout_for(config, ple_index)
-        heads = self.layout.num_heads
-        self.row_dim = config.ple_embed_dim // heads
+        self.heads = self.layout.num_heads
+        self.row_dim = config.ple_embed_dim // self.heads
         self.total_rows = self.layout.padded_rows
-        self.row_start, self.row_end = row_shard(
-            self.total_rows, get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        )
-        self.weight = nn.Parameter(
-            torch.empty(self.row_end - self.row_start, self.row_dim), requires_grad=False
-        )
+        self.tp_rank = get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
+        self.tp_size = get_tensor_model_parallel_world_size() if tp_size is None else tp_size
+        self.row_start, self.row_end = row_shard(self.total_rows, self.tp_rank, self.tp_size)
+        self.format = resolve_table_format(config) if fmt is None else parse_format(fmt, "fmt")
+        self.mode: StorageMode = storage_mode_from_env() if mode is None else mode
         self.split_parts = config.split_ngram_parts
-        self.shards_loaded: set[int] = set()
         self.layer_name = layer_name
+        self.out_dtype = out_dtype
+        # Quantized rows are summed across ranks as raw bytes (one owner per row), then dequantized.
+        self.raw_reduce = self.tp_size > 1 and self.format != "bf16"
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] = tensor_model_parallel_all_reduce
+        self.all_reduce_bytes: Callable[[torch.Tensor], torch.Tensor] = _tp_all_reduce_bytes
+        try:
+            row_shapes(self.format, self.row_dim)
+        except ValueError as e:
+            raise ValueError(
+                f"{layer_name}: ple_embedding_dtype={self.format!r} needs ple_embed_dim / heads "
+                f"({config.ple_embed_dim} / {self.heads} = {self.row_dim}) divisible by 16: {e}"
+            ) from e
+        try:
+            self.storage: PleStorage = make_storage(
+                self.mode,
+                self.format,
+                self.row_start,
+                self.row_end,
+                self.row_dim,
+                global_scale=None if self.format != "bf16" else 1.0,
+                device=device,
+                out_dtype=out_dtype,
+            )
+        except ValueError as e:
+            if self.mode == "pinned":
+                raise ValueError(
+                    f"{layer_name}: PLE tables cannot be kept in pinned host memory here ({e}). Set "
+                    f"{CPU_OFFLOAD_ENV}=0 to keep them in GPU memory instead (needs "
+                    f"{self._nbytes_estimate() / 2**30:.2f} GiB per rank for this layer)"
+                ) from e
+            raise
+        self.prefetch = prefetch
+        if prefetch and max_tokens > 0:
+            # Before any CUDA-graph capture: the prefetch output must not be allocated while capturing.
+            self.storage.reserve_prefetch(max_tokens * self.heads, raw=self.raw_reduce)
+        self.shards_loaded: set[int] = set()
+        self._scales_loaded: set[int] = set()
+        self._global_scales: dict[int, tuple[float, str]] = {}
 
-    def export_metrics(self) -> None:
-        storage = "cpu" if self.weight.device.type == "cpu" else "device"
-        nbytes = self.weight.numel() * self.weight.element_size()
-        ple_table_bytes().labels(layer=self.layer_name, rank=tp_rank(), storage=storage).set(nbytes)
+    def _nbytes_estimate(self) -> int:
+        (width, dtype), scales = row_shapes(self.format, self.row_dim)
+        row = width * torch.empty((), dtype=dtype).element_size() + (scales[0] if scales else 0)
+        return row * (self.row_end - self.row_start)
+
+    # ---- loading ------------------------------------------------------------------------------
 
     @property
     def shard_rows(self) -> int:
@@ -132,24 +291,135 @@ class NgramTable(nn.Module):
     def num_shards(self) -> int:
         return -(-self.total_rows // self.shard_rows)
 
-    def load_shard(self, index: int, rows: torch.Tensor, name: str) -> None:
-        """Copy the part of checkpoint shard ``index`` that this rank owns."""
+    def _shard_range(self, index: int, name: str) -> tuple[int, int]:
         if not 0 <= index < self.num_shards:
             raise ValueError(
-                f"{name}: shard index {index} out of range: the config implies {self.num_shards} shards"
+                f"{name}: shard index {index} out of range: the config implies {self.num_shards} shards "
+                f"(split_ngram_parts={self.split_parts}); fix split_ngram_parts in config.json"
             )
         start = index * self.shard_rows
-        expected = (min(self.shard_rows, self.total_rows - start), self.row_dim)
-        if tuple(rows.shape) != expected:
+        return start, min(self.shard_rows, self.total_rows - start)
+
+    def _owned(self, start: int, rows: int) -> tuple[int, int] | None:
+        lo, hi = max(start, self.row_start), min(start + rows, self.row_end)
+        return (lo, hi) if lo < hi else None
+
+    def load_tensor(self, rest: str, tensor: torch.Tensor, name: str) -> bool:
+        """Route one checkpoint tensor of this table (``rest`` is relative to the table's prefix).
+
+        Returns False for tensors that are not table rows or scales (e.g. the hash buffers).
+        Raises ValueError naming the tensor and the fix for anything that does not match the
+        config: a wrong shape or dtype, a scale tensor that the format has no use for, or a
+        global scale that differs from another shard's.
+        """
+        m = SHARD_TENSOR.fullmatch(rest)
+        if m is None:
+            return False
+        index, kind = int(m.group(1)), m.group(2)
+        if kind == "weight":
+            self.load_shard(index, tensor, name)
+        elif kind == "weight_scale":
+            self._load_block_scales(index, tensor, name)
+        else:
+            self._load_global_scale(index, tensor, name)
+        return True
+
+    def _config_hint(self) -> str:
+        return (
+            f"config.json ple_embedding_dtype={self.format!r}"
+            if self.format != "bf16"
+            else "config.json sets no ple_embedding_dtype (bf16 tables)"
+        )
+
+    def load_shard(self, index: int, rows: torch.Tensor, name: str) -> None:
+        """Copy the part of checkpoint shard ``index`` (table rows) that this rank owns."""
+        start, n = self._shard_range(index, name)
+        (width, dtype), _ = row_shapes(self.format, self.row_dim)
+        if self.format == "bf16":
+            if not rows.is_floating_point() or rows.dtype in _FP8_DTYPES:
+                raise ValueError(
+                    f"{name} is {rows.dtype}, i.e. quantized codes, but {self._config_hint()}; set "
+                    "ple_embedding_dtype to the format the checkpoint was converted to "
+                    '("fp8_e4m3" or "nvfp4")'
+                )
+        else:
+            if rows.dtype == torch.float8_e4m3fn:
+                rows = rows.view(torch.uint8)
+            if rows.dtype != torch.uint8:
+                what = "uint8 E4M3 codes" if self.format == "fp8_e4m3" else "uint8 packed E2M1 codes"
+                raise ValueError(
+                    f"{name} is {rows.dtype}, but {self._config_hint()} expects {what}; convert the "
+                    f"checkpoint with `{_CONVERT_HINT.format(fmt=self.format)}`, or remove "
+                    "ple_embedding_dtype from config.json if the tables are bf16"
+                )
+        if tuple(rows.shape) != (n, width):
+            packed = ""
+            if self.format == "nvfp4" and tuple(rows.shape) == (n, self.row_dim):
+                packed = " (nvfp4 rows are packed: two 4-bit codes per byte, low nibble first)"
             raise ValueError(
-                f"{name}: shape {tuple(rows.shape)} does not match the config ({expected[0]} rows of "
-                f"ple_embed_dim / heads = {self.row_dim}); check ngram_vocab_size_base, "
-                "make_ngram_vocab_size_divisible_by, split_ngram_parts and ple_embed_dim"
+                f"{name}: shape {tuple(rows.shape)} does not match the config ({n} rows of "
+                f"ple_embed_dim / heads = {self.row_dim} values, stored as {width} {self.format} "
+                f"columns){packed}; check ngram_vocab_size_base, make_ngram_vocab_size_divisible_by, "
+                "split_ngram_parts, ple_embed_dim and ple_embedding_dtype"
             )
-        lo, hi = max(start, self.row_start), min(start + expected[0], self.row_end)
-        if lo < hi:
-            self.weight.data[lo - self.row_start : hi - self.row_start].copy_(rows[lo - start : hi - start])
+        owned = self._owned(start, n)
+        if owned is not None:
+            lo, hi = owned
+            part = rows[lo - start : hi - start]
+            self.storage.load_data_rows(lo, part if part.dtype == dtype else part.to(dtype))
+        release_file_pages(rows)  # copied: its mmapped checkpoint pages need not stay resident
         self.shards_loaded.add(index)
+
+    def _load_block_scales(self, index: int, scales: torch.Tensor, name: str) -> None:
+        start, n = self._shard_range(index, name)
+        if self.format != "nvfp4":
+            raise ValueError(
+                f"{name} holds NVFP4 block scales, but {self._config_hint()}; set "
+                'ple_embedding_dtype to "nvfp4" if the checkpoint was converted to nvfp4'
+            )
+        if scales.dtype == torch.float8_e4m3fn:
+            scales = scales.view(torch.uint8)
+        want = (n, self.row_dim // 16)
+        if scales.dtype != torch.uint8 or tuple(scales.shape) != want:
+            raise ValueError(
+                f"{name} is {scales.dtype} {tuple(scales.shape)}; nvfp4 block scales must be uint8 "
+                f"E4M3 codes of shape {want} (one per 16 values of each row); re-convert the "
+                f"checkpoint with `{_CONVERT_HINT.format(fmt='nvfp4')}`"
+            )
+        owned = self._owned(start, n)
+        if owned is not None:
+            lo, hi = owned
+            self.storage.load_block_scale_rows(lo, scales[lo - start : hi - start])
+        release_file_pages(scales)
+        self._scales_loaded.add(index)
+
+    def _load_global_scale(self, index: int, value: torch.Tensor, name: str) -> None:
+        self._shard_range(index, name)
+        if self.format == "bf16":
+            raise ValueError(
+                f"{name} is a quantized table's global scale, but {self._config_hint()}; set "
+                'ple_embedding_dtype to "fp8_e4m3" or "nvfp4" to match the checkpoint'
+            )
+        if value.numel() != 1 or not value.is_floating_point():
+            raise ValueError(
+                f"{name} is {value.dtype} {tuple(value.shape)}; a global scale must be one fp32 value "
+                f"(shape [] or [1]); re-convert with `{_CONVERT_HINT.format(fmt=self.format)}`"
+            )
+        v = float(value.reshape(()).to(torch.float32))
+        if not (v > 0.0 and v != float("inf")):
+            raise ValueError(
+                f"{name} = {v}: a global scale must be finite and positive; re-convert with "
+                f"`{_CONVERT_HINT.format(fmt=self.format)}`"
+            )
+        for other, (ov, oname) in self._global_scales.items():
+            if other != index and ov != v:
+                raise ValueError(
+                    f"{name} = {v!r} differs from {oname} = {ov!r}: all shards of one PLE table share "
+                    "one global scale (applied after the lookup, whichever shard a row comes from); "
+                    f"re-quantize the whole table with one scale: `{_CONVERT_HINT.format(fmt=self.format)}`"
+                )
+        self._global_scales[index] = (v, name)
+        self.storage.set_global_scale(v)
 
     def check_buffer(self, short_name: str, value: torch.Tensor, name: str) -> None:
         expected = {
@@ -167,13 +437,108 @@ class NgramTable(nn.Module):
     def missing_shards(self) -> list[int]:
         return sorted(set(range(self.num_shards)) - self.shards_loaded)
 
+    def finish_loading(self, owner: str) -> None:
+        """Fail closed unless every shard's rows, block scales and global scale arrived; export metrics."""
+        prefix = f"{owner}.ngram_embedding"
+        missing = self.missing_shards()
+        if missing:
+            raise ValueError(
+                f"checkpoint is missing PLE table shards {missing} of {prefix} "
+                f"(expected shard_0..shard_{self.num_shards - 1}, split_ngram_parts="
+                f"{self.split_parts}); re-export the checkpoint or fix split_ngram_parts in config.json"
+            )
+        shards = set(range(self.num_shards))
+        if self.format == "nvfp4":
+            gone = sorted(shards - self._scales_loaded)
+            if gone:
+                names = ", ".join(f"{prefix}.shard_{i}.weight_scale" for i in gone)
+                raise ValueError(
+                    f"checkpoint is missing {names}: nvfp4 tables need uint8 E4M3 block scales "
+                    f"[rows, {self.row_dim // 16}] per shard; re-convert with "
+                    f"`{_CONVERT_HINT.format(fmt='nvfp4')}`"
+                )
+        if self.format != "bf16":
+            gone = sorted(shards - set(self._global_scales))
+            if gone:
+                names = ", ".join(f"{prefix}.shard_{i}.weight_global_scale" for i in gone)
+                raise ValueError(
+                    f"checkpoint is missing {names}: {self.format} tables need one fp32 global scale "
+                    f"tensor per shard (equal for all shards of a table); re-convert with "
+                    f"`{_CONVERT_HINT.format(fmt=self.format)}`"
+                )
+        assert self.storage.fully_loaded, "every shard was routed but the storage is incomplete"
+        self.export_metrics()
+
+    def export_metrics(self) -> None:
+        rank = str(self.tp_rank)
+        st = self.storage
+        ple_table_bytes().labels(layer=self.layer_name, rank=rank, storage=st.location).set(st.table_bytes())
+        ple_pinned_bytes().labels(layer=self.layer_name, rank=rank).set(st.pinned_bytes())
+        ple_storage_info().labels(layer=self.layer_name, rank=rank, mode=st.mode, format=self.format).set(1)
+
+    # ---- lookups ------------------------------------------------------------------------------
+
+    def partial_lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's contribution for global ``rows [T, heads]``: zeros for rows it does not own.
+
+        Dequantized ``[T, heads * row_dim]`` rows, or, when quantized rows are reduced as raw
+        bytes across ranks, uint8 ``[T, heads, B]`` (codes, plus nvfp4 block scales).
+        """
+        if self.raw_reduce:
+            data, scales = self.storage.lookup_raw(rows)
+            return raw_row_bytes(data, scales)
+        return self.storage.lookup(rows).flatten(-2)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial results (one owner per row, so byte sums are exact)."""
+        if self.tp_size == 1:
+            return partial
+        return self.all_reduce_bytes(partial) if self.raw_reduce else self.all_reduce(partial)
+
+    def finalize(self, reduced: torch.Tensor) -> torch.Tensor:
+        """Reduced partials -> embeddings ``[T, heads * row_dim]`` in ``out_dtype``."""
+        if not self.raw_reduce:
+            return reduced
+        data, scales = split_row_bytes(self.format, reduced, self.row_dim)
+        vals = dequantize_rows(self.format, data, scales, self.storage.global_scale, self.out_dtype)
+        return vals.flatten(-2)
+
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
-        """Embeddings ``[T, heads * row_dim]`` of global rows ``[T, heads]``; zeros for other ranks' rows."""
-        local = rows - self.row_start
-        owned = (local >= 0) & (local < self.weight.shape[0])
-        out = self.weight[local.clamp(0, max(self.weight.shape[0] - 1, 0))]
-        out = torch.where(owned.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
-        return out.flatten(-2)
+        """Embeddings ``[T, heads * row_dim]`` of global rows ``[T, heads]``, summed over ranks."""
+        return self.finalize(self.reduce(self.partial_lookup(rows)))
+
+    def start_prefetch(self, rows: torch.Tensor) -> None:
+        """Start this rank's gather of ``rows`` on the side stream (synchronously without CUDA)."""
+        self.storage.start_prefetch(rows, raw=self.raw_reduce)
+
+    def wait_prefetch(self) -> torch.Tensor:
+        """Join the prefetch started by :meth:`start_prefetch` and return the embeddings."""
+        if self.raw_reduce:
+            partial = raw_row_bytes(*self.storage.wait_prefetch_raw())
+        else:
+            partial = self.storage.wait_prefetch().flatten(-2)
+        return self.finalize(self.reduce(partial))
+
+    def drop_prefetch(self) -> None:
+        """Join and discard a prefetch whose step was abandoned (e.g. an exception mid-forward)."""
+        if self.storage.prefetch_pending:
+            if self.raw_reduce:
+                self.storage.wait_prefetch_raw()
+            else:
+                self.storage.wait_prefetch()
+
+
+@dataclass
+class PLEStep:
+    """What one PLE layer needs from this step before its lookup: request layout, ids, state slots."""
+
+    qsl: torch.Tensor  # [R+1] int64 on CPU
+    qsl_dev: torch.Tensor  # the same on the model's device
+    has_state: torch.Tensor  # [R] bool on CPU
+    slots: torch.Tensor | None  # [R] int64 state slots, None in profiling runs
+    context: torch.Tensor  # [R, n-1] tokens preceding each request's first new token
+    windows: torch.Tensor  # [T, n] token windows
+    rows: torch.Tensor  # [T, heads] global table rows
 
 
 class Qwen4ExpPLE(nn.Module):
@@ -192,14 +557,29 @@ class Qwen4ExpPLE(nn.Module):
         self.norm_query = ZeroCenteredRMSNorm(width, self.eps, self.hidden_size)
         self.norm_conv = ZeroCenteredRMSNorm(width, self.eps, self.hidden_size)
         self.conv1d = WeightOnly(width, 1, config.ple_conv_kernel_size)
-        self.ple_embedding = NgramTable(config, ple_index, layer_name=prefix)
+        device = torch.device(vllm_config.device_config.device)
+        self.prefetch = prefetch_from_env(cuda=device.type == "cuda")
+        self.ple_embedding = NgramTable(
+            config,
+            ple_index,
+            layer_name=prefix,
+            device=device,
+            out_dtype=vllm_config.model_config.dtype,
+            prefetch=self.prefetch,
+            max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+        )
         self.state = PLEState(config, vllm_config.model_config.dtype, prefix=f"{prefix}.state")
-        self.tp_size = get_tensor_model_parallel_world_size()
+        self._step: PLEStep | None = None
 
-    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def prepare(self, input_ids: torch.Tensor) -> PLEStep:
+        """Token windows and table rows for this step, from ``input_ids`` and this layer's state.
+
+        Reads only this layer's own state (written at the end of its forward), so it may run at
+        the start of the model's forward, before any decoder layer.
+        """
         meta = step_metadata(self.state.prefix)
         table = self.ple_embedding
-        n_ctx = table.layout.context_len
+        device = input_ids.device
         if meta is None:  # profiling run: one fresh pseudo-request, no state written
             qsl = torch.tensor([0, input_ids.shape[0]], dtype=torch.int64)
             has_state = torch.zeros(1, dtype=torch.bool)
@@ -209,17 +589,34 @@ class Qwen4ExpPLE(nn.Module):
             has_state = meta.num_computed > 0
             slots = meta.block_table[:, 0].long()
         num_reqs = qsl.shape[0] - 1
-        device = streams.device
-        context = torch.full((num_reqs, n_ctx), self.eos, dtype=torch.int64, device=device)
+        context = torch.full((num_reqs, table.layout.context_len), self.eos, dtype=torch.int64, device=device)
         if slots is not None:
-            history = self.state.kv_cache[0]
-            keep = has_state.to(device)
-            context[keep] = history[slots[keep]]
+            history = self.state.kv_cache[0][slots]
+            context = torch.where(has_state.to(device).unsqueeze(1), history, context)
         qsl_dev = qsl.to(device)
         windows = token_windows(input_ids.long(), context, qsl_dev)
-        embeddings = table.lookup(ngram_row_ids(windows, table.layout))
-        if self.tp_size > 1:
-            embeddings = tensor_model_parallel_all_reduce(embeddings)
+        rows = ngram_row_ids(windows, table.layout)
+        return PLEStep(qsl, qsl_dev, has_state, slots, context, windows, rows)
+
+    def start_lookup(self, step: PLEStep) -> None:
+        """Begin the table gather for ``step``; :meth:`forward` joins it."""
+        self.drop_pending()
+        self.ple_embedding.start_prefetch(step.rows)
+        self._step = step
+
+    def drop_pending(self) -> None:
+        if self._step is not None:
+            self.ple_embedding.drop_prefetch()
+            self._step = None
+
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        table = self.ple_embedding
+        step, self._step = self._step, None
+        if step is None:  # synchronous lookup (CPU, prefetch off, or called outside the model)
+            step = self.prepare(input_ids)
+            embeddings = table.lookup(step.rows)
+        else:
+            embeddings = table.wait_prefetch()
         gated, conv_in = ple_gated_values(
             streams,
             embeddings.to(streams.dtype),
@@ -235,8 +632,9 @@ class Qwen4ExpPLE(nn.Module):
         conv_out = torch.empty_like(conv_in)
         weight = self.conv1d.weight.squeeze(1)
         state_len = (weight.shape[1] - 1) * self.dilation
-        bounds = qsl.tolist()
-        for r in range(num_reqs):
+        bounds = step.qsl.tolist()
+        slots, has_state = step.slots, step.has_state
+        for r in range(len(bounds) - 1):
             start, end = bounds[r], bounds[r + 1]
             if start == end:
                 continue
@@ -250,5 +648,42 @@ class Qwen4ExpPLE(nn.Module):
             if slots is not None:
                 self.state.kv_cache[1][slots[r], :state_len] = new_state
         if slots is not None:
-            self.state.kv_cache[0][slots] = next_context(windows, qsl_dev, context)
+            self.state.kv_cache[0][slots] = next_context(step.windows, step.qsl_dev, step.context)
         return streams + gated + conv_out
+
+
+class PLEPrefetcher:
+    """Starts each PLE layer's table gather while the decoder layer before it runs.
+
+    ``begin(input_ids)`` at the start of the model's forward computes every PLE layer's rows
+    (they depend only on the token ids and the layer's own state) and starts the gather of a PLE
+    in the first decoder layer; ``before_layer(i)``, called just before decoder layer ``i`` runs,
+    starts the gather of layer ``i + 1``'s PLE on the side stream, so it overlaps layer ``i``.
+    Layers whose PLE has prefetch off (CPU by default) look up synchronously in their forward.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        self._ples: list[Qwen4ExpPLE | None] = [getattr(layer, "ple", None) for layer in layers]
+        self.enabled = any(p is not None and p.prefetch for p in self._ples)
+        self._steps: dict[int, PLEStep] = {}
+
+    def begin(self, input_ids: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        self._steps = {}
+        for i, ple in enumerate(self._ples):
+            if ple is not None and ple.prefetch:
+                ple.drop_pending()
+                self._steps[i] = ple.prepare(input_ids)
+        self._start(0)
+
+    def before_layer(self, index: int) -> None:
+        if self.enabled:
+            self._start(index + 1)
+
+    def _start(self, index: int) -> None:
+        step = self._steps.pop(index, None)
+        if step is not None:
+            ple = self._ples[index]
+            assert ple is not None
+            ple.start_lookup(step)

@@ -422,3 +422,62 @@ _CASES = [
 @pytest.mark.parametrize("case", _CASES)
 def test_triton_kernel_interpreted_bit_exact(interp_results: dict[str, dict[str, bool]], case: str) -> None:
     assert interp_results[case] == {"dequant": True, "f32": True, "raw": True}
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint-style loading and raw prefetch
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["device", "pinned"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "nvfp4"])
+def test_deferred_global_scale_and_separate_scale_loading(mode: str, fmt: str) -> None:
+    """Checkpoints deliver rows, block scales and the global scale as separate tensors, in any order."""
+    full = make_table(fmt, _weights(120, 32), vocab_start=0)
+    lo, hi = 30, 100
+    st = make_storage(mode, fmt, lo, hi, 32, global_scale=None, device="cpu")
+    assert not st.global_scale_known and not st.fully_loaded
+    with pytest.raises(RuntimeError, match="global scale was never loaded"):
+        st.lookup(torch.tensor([40]))
+    for a, b in ((60, 120), (0, 60)):
+        part = slice_table(full, a, b)
+        if part.block_scales is not None:
+            st.load_block_scale_rows(a, part.block_scales)
+            assert st.missing_scale_rows() == (60 - lo if a == 60 else 0)
+        st.load_data_rows(a, part.data)
+    assert st.missing_rows() == 0 and st.missing_scale_rows() == 0 and not st.fully_loaded
+    st.set_global_scale(full.global_scale)
+    st.set_global_scale(full.global_scale)  # the same value again (every shard carries it) is fine
+    with pytest.raises(ValueError, match="differs"):
+        st.set_global_scale(full.global_scale * 2)
+    with pytest.raises(ValueError, match="finite positive"):
+        make_storage(mode, fmt, 0, 1, 32, global_scale=None, device="cpu").set_global_scale(float("nan"))
+    assert st.fully_loaded
+    ids = torch.arange(-2, 125)
+    assert torch.equal(_bits(st.lookup(ids)), _bits(lookup_ref(slice_table(full, lo, hi), ids)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_raw_prefetch_equals_lookup_raw(fmt: str) -> None:
+    full = make_table(fmt, _weights(80, 32), vocab_start=0)
+    st = storage_from_table("pinned", full, 10, 70, device="cpu")
+    ids = torch.randint(-1, 82, (6, 4), generator=torch.Generator().manual_seed(5))
+    st.reserve_prefetch(24, raw=True)
+    st.start_prefetch(ids, raw=True)
+    assert st.prefetch_pending
+    with pytest.raises(RuntimeError, match="wait_prefetch_raw"):
+        st.wait_prefetch()
+    data, scales = st.wait_prefetch_raw()
+    want_d, want_s = st.lookup_raw(ids)
+    assert data.shape == want_d.shape and torch.equal(_bits(data), _bits(want_d))
+    assert (scales is None) == (want_s is None)
+    if want_s is not None:
+        assert torch.equal(scales, want_s)
+    assert not st.prefetch_pending
+    st.start_prefetch(ids)  # a dequantized prefetch after a raw one uses its own buffer
+    assert torch.equal(_bits(st.wait_prefetch()), _bits(st.lookup(ids)))
+
+
+def test_storage_location_labels() -> None:
+    assert make_storage("device", "bf16", 0, 4, 16, device="cpu").location == "cpu"
+    assert make_storage("pinned", "bf16", 0, 4, 16, device="cpu").location == "cpu"

@@ -185,7 +185,9 @@ def run(settings: ServiceSettings, sock: socket.socket) -> int:
 
     cli_env_setup()  # spawn workers, as `vllm serve` does
     try:
-        return asyncio.run(serve(settings, sock))
+        import uvloop  # vLLM's own server runs on uvloop too; it is a vLLM dependency
+
+        return uvloop.run(serve(settings, sock))
     except SettingsError as exc:
         sys.stderr.write(f"service: invalid configuration:\n{exc}\n")
         return 2

@@ -38,7 +38,7 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from model.metrics import gauge, ple_table_bytes
-from model.ops.ngram_hash import NgramLayout, next_context, ngram_layout, ngram_row_ids, token_windows
+from model.ops.ngram_hash import layout_from_config, next_context, ngram_row_ids, token_windows
 from model.ops.ple import dilated_causal_conv, ple_gated_values
 from model.ops.ple_storage import (
     CPU_OFFLOAD_ENV,
@@ -83,19 +83,6 @@ def ple_state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype
 def eos_of(config) -> int:
     eos = config.eos_token_id
     return int(eos[0] if isinstance(eos, list) else eos)
-
-
-def layout_for(config, ple_index: int) -> NgramLayout:
-    return ngram_layout(
-        vocab_size=config.vocab_size,
-        ngram_size=config.ngram_size,
-        heads_per_ngram=config.heads_per_ngram,
-        ngram_vocab_size_base=config.ngram_vocab_size_base,
-        vocab_divisor=config.make_ngram_vocab_size_divisible_by,
-        seed=config.seed,
-        eos_token_id=eos_of(config),
-        ple_layer_index=ple_index,
-    )
 
 
 def row_shard(total_rows: int, rank: int, world: int) -> tuple[int, int]:
@@ -226,7 +213,7 @@ class NgramTable(nn.Module):
         max_tokens: int = 0,
     ) -> None:
         super().__init__()
-        self.layout = layout_for(config, ple_index)
+        self.layout = layout_from_config(config, ple_index)
         self.heads = self.layout.num_heads
         self.row_dim = config.ple_embed_dim // self.heads
         self.total_rows = self.layout.padded_rows

@@ -17,8 +17,17 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
 
 
+# Checkpoints pinned as test data. ``wide`` is not bit-reproducible across generations (tiny is), and
+# greedy parity needs a fixed set of weights: a regenerated ``wide`` once diverged from the reference
+# on one prompt at a 0.7-nat margin, which we suspect is an internal top-k near-tie (MoE routing or
+# QSA block choice) rather than a bug, but have not proven.
+PINNED = ROOT / "tests" / "data" / "checkpoints"
+
+
 def ensure_checkpoint(preset: str) -> Path:
-    """Generate ``checkpoints/<preset>`` if missing (deterministic, a minute or two)."""
+    """The pinned copy of a preset if there is one, else ``checkpoints/<preset>``, generated if missing."""
+    if (PINNED / preset / "model.safetensors").exists():
+        return PINNED / preset
     path = CHECKPOINTS / preset
     if not (path / "model.safetensors").exists():
         subprocess.run(

@@ -19,14 +19,18 @@ def load_reference(path):
 
 
 @torch.no_grad()
-def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+def greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and, per step, the full next-token log-probabilities (for near-tie checks)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
     out: list[int] = []
+    logprobs: list[torch.Tensor] = []
     for _ in range(max_new_tokens):
-        token = int(logits[0, -1].float().argmax())
+        step = logits[0, -1].float().log_softmax(-1)
+        token = int(step.argmax())
         out.append(token)
+        logprobs.append(step)
         logits = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits
-    return out
+    return out, logprobs

@@ -7,11 +7,10 @@ share steps with other requests' decodes.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
 from tests.conftest import ensure_checkpoint
+from tests.vllm_greedy import greedy_vllm
 
 from .prompts import parity_prompts
 from .reference import greedy, load_reference
@@ -36,27 +35,7 @@ def case(request):
 
 
 def run_vllm(path, prompts: dict[str, list[int]], **engine_args) -> dict[str, list[int]]:
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(
-        model=str(path),
-        dtype="bfloat16",
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        max_model_len=2048,
-        seed=0,
-        **engine_args,
-    )
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-        outputs = llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompts.values()], params, use_tqdm=False
-        )
-        return {name: list(out.outputs[0].token_ids) for name, out in zip(prompts, outputs, strict=True)}
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    return greedy_vllm(path, prompts, MAX_NEW_TOKENS, **engine_args)
 
 
 def first_divergence(got: list[int], expected: list[int]) -> int | None:

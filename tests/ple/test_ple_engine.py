@@ -13,13 +13,13 @@ Each engine also exports the PLE metrics, read back from its multiprocess Promet
 
 from __future__ import annotations
 
-import gc
 import os
 
 import prometheus_client  # noqa: F401 - imported before PROMETHEUS_MULTIPROC_DIR is ever set here
 import pytest
 
 from tests.parity.prompts import parity_prompts
+from tests.vllm_greedy import greedy_vllm
 
 MAX_NEW_TOKENS = 16
 LAYERS = ("model.layers.0.ple", "model.layers.1.ple")
@@ -42,30 +42,16 @@ ENGINES = {
 
 
 def _generate(path, prompts: dict[str, list[int]], tp: int) -> dict[str, list[int]]:
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(
-        model=str(path),
+    return greedy_vllm(
+        path,
+        prompts,
+        MAX_NEW_TOKENS,
         tensor_parallel_size=tp,
-        dtype="bfloat16",
-        enforce_eager=True,
-        enable_prefix_caching=False,
         max_model_len=1024,
         max_num_seqs=8,
         max_num_batched_tokens=64,
         enable_chunked_prefill=True,
-        seed=0,
     )
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-        outputs = llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompts.values()], params, use_tqdm=False
-        )
-        return {name: list(out.outputs[0].token_ids) for name, out in zip(prompts, outputs, strict=True)}
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
 
 
 def _ple_samples(directory) -> list[tuple[str, dict[str, str], float]]:

@@ -184,6 +184,11 @@ def run(settings: ServiceSettings, sock: socket.socket) -> int:
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
     cli_env_setup()  # spawn workers, as `vllm serve` does
+    from .cuda_preflight import PREFLIGHT_EXIT_CODE, preflight_failure
+
+    if (failure := preflight_failure(settings.device, settings.tensor_parallel_size)) is not None:
+        sys.stderr.write(f"service: {failure}\n")  # driver too old / no GPUs: say so, before vLLM does
+        return PREFLIGHT_EXIT_CODE
     try:
         import uvloop  # vLLM's own server runs on uvloop too; it is a vLLM dependency
 

@@ -1,0 +1,135 @@
+"""The CUDA preflight's messages, from injected facts (pure functions), and its CLI run for real here.
+
+This machine has no NVIDIA driver, which is itself one of the cases: ``--cuda 13.0`` checks for the
+image's CUDA runtime and must fail naming driver >= 580.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service.cuda_preflight import (
+    PREFLIGHT_EXIT_CODE,
+    CudaFacts,
+    diagnose,
+    parse_nvidia_smi,
+    unreadable,
+    unreadable_message,
+    version_tuple,
+)
+from tests.conftest import ROOT
+
+RTX = ("NVIDIA GeForce RTX 3090",) * 4
+IMAGE = dict(torch_version="2.13.0+cu130", runtime_cuda="13.0")
+
+
+def facts(**kw) -> CudaFacts:
+    return CudaFacts(**{**IMAGE, **kw})
+
+
+def test_driver_570_is_too_old_and_named():
+    msg = diagnose(facts(driver_version="570.133.07", driver_cuda=12080, gpu_names=RTX, source="NVML"), 4)
+    assert msg is not None
+    assert "driver 570.133.07 is too old" in msg
+    assert "NVIDIA driver >= 580" in msg and "CUDA 13.0" in msg and "2.13.0+cu130" in msg
+    assert "supports CUDA up to 12.8" in msg and "via NVML" in msg
+    assert "forward compatibility" in msg  # GeForce: no cuda-compat escape hatch
+
+
+def test_torch_error_alone_gives_the_found_cuda_version():
+    err = "The NVIDIA driver on your system is too old (found version 12020)"
+    msg = diagnose(facts(torch_error=err, probe_errors=("NVML: not found",)), 4)
+    assert msg is not None and "supports CUDA only 12.2" not in msg
+    assert "the NVIDIA driver supports CUDA 12.2 only; this image needs CUDA 13" in msg
+    assert ">= 580" in msg
+
+
+def test_driver_cuda_from_libcuda_without_a_driver_version():
+    msg = diagnose(facts(driver_cuda=12040), 4)
+    assert msg is not None and "CUDA 12.4 only" in msg and ">= 580" in msg
+
+
+@pytest.mark.parametrize("version", ["580.65.06", "580.95.05", "590.44.01"])
+def test_new_enough_driver_with_four_gpus_passes(version):
+    assert diagnose(facts(driver_version=version, driver_cuda=13000, gpu_names=RTX), 4) is None
+
+
+def test_580_before_ga_is_too_old():
+    assert version_tuple("580.65.06") > version_tuple("580.10")
+    assert diagnose(facts(driver_version="580.10", gpu_names=RTX), 4) is not None
+
+
+def test_no_driver_in_the_container_names_gpus_flag_and_runtime_class():
+    msg = diagnose(facts(probe_errors=("NVML: libnvidia-ml.so.1: cannot open", "nvidia-smi: not found")), 4)
+    assert msg is not None
+    assert "no NVIDIA driver is visible inside the container" in msg
+    assert "--gpus all" in msg and "runtimeClassName" in msg and ">= 580" in msg
+    assert "libnvidia-ml.so.1" in msg
+
+
+def test_too_few_gpus():
+    msg = diagnose(facts(driver_version="580.95.05", gpu_names=RTX[:2]), 4)
+    assert msg is not None and "2 GPU(s) visible" in msg and "QWEN4EXP_TENSOR_PARALLEL_SIZE=4 needs 4" in msg
+    narrowed = diagnose(facts(driver_version="580.95.05", gpu_names=RTX, visible_devices="0,1"), 4)
+    assert narrowed is not None and "CUDA_VISIBLE_DEVICES=0,1" in narrowed
+    assert diagnose(facts(driver_version="580.95.05", gpu_names=RTX, visible_devices="0,1"), 2) is None
+
+
+def test_other_torch_failure_is_reported_with_the_driver():
+    msg = diagnose(facts(driver_version="580.95.05", gpu_names=RTX, torch_error="CUDA unknown error"), 4)
+    assert msg is not None and "torch cannot initialise CUDA: CUDA unknown error" in msg
+    assert "driver 580.95.05" in msg
+
+
+def test_cpu_build_has_nothing_to_check():
+    assert diagnose(CudaFacts(torch_version="2.13.0+cpu", runtime_cuda=None), 4) is None
+
+
+def test_unknown_cuda_major_fails_closed():
+    with pytest.raises(ValueError, match="no known minimum NVIDIA driver for CUDA 14.0"):
+        diagnose(facts(runtime_cuda="14.0", driver_version="600.1"), 1)
+
+
+def test_parse_nvidia_smi_query_output():
+    out = "570.133.07, NVIDIA GeForce RTX 3090\n570.133.07, NVIDIA GeForce RTX 3090\n"
+    assert parse_nvidia_smi(out) == ("570.133.07", ("NVIDIA GeForce RTX 3090",) * 2)
+    assert parse_nvidia_smi("NVIDIA-SMI has failed because it couldn't communicate with the driver") == (
+        None,
+        (),
+    )
+
+
+def test_unreadable_secret_message_says_how_to_fix():
+    msg = unreadable_message(
+        Path("/run/secrets/qwen4exp-api-keys"), 10001, 10001, PermissionError(13, "Permission denied")
+    )
+    assert "uid 10001 cannot read /run/secrets/qwen4exp-api-keys: Permission denied" in msg
+    assert "chmod 0644" in msg and "chgrp 10001" in msg
+    missing = unreadable(Path("/nonexistent/api-keys"))
+    assert missing is not None and "missing or not mounted" in missing
+    assert unreadable(ROOT / "pyproject.toml") is None
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "service.cuda_preflight", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_on_this_machine_checks_for_the_images_cuda():
+    """No NVIDIA driver here: checking for the image's CUDA 13.0 must fail with the message and exit 3."""
+    proc = _cli("--gpus", "4", "--cuda", "13.0")
+    assert proc.returncode == PREFLIGHT_EXIT_CODE, proc.stdout + proc.stderr
+    assert "no NVIDIA driver is visible" in proc.stderr and "NVIDIA driver >= 580" in proc.stderr
+    plain = _cli("--gpus", "4", "--readable", str(ROOT / "pyproject.toml"))  # the CPU torch of the venv
+    assert plain.returncode == 0 and "CPU build" in plain.stdout, plain.stdout + plain.stderr
+    bad = _cli("--readable", "/nonexistent/api-keys")
+    assert bad.returncode == PREFLIGHT_EXIT_CODE and "/nonexistent/api-keys" in bad.stderr

@@ -18,7 +18,6 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateCopyFuncCalculator,
     MambaStateDtypeCalculator,
@@ -34,6 +33,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from model.config_checks import validate_text_config
 
+from .gdn import Qwen4ExpGatedDeltaNet
 from .hyper_connection import GatedResidual
 from .ple_layer import PLEPrefetcher, Qwen4ExpPLE, ple_state_dtypes, ple_state_shapes
 from .qsa_attention import Qwen4ExpQSAAttention
@@ -61,7 +61,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
             ple_index = sorted(config.ple_layer_ids).index(self.layer_idx + 1)
             self.ple = Qwen4ExpPLE(config, vllm_config, ple_index, prefix=f"{prefix}.ple")
         if self.layer_type == "linear_attention":
-            self.linear_attn = QwenGatedDeltaNetAttention(
+            self.linear_attn = Qwen4ExpGatedDeltaNet(
                 _gdn_config(config), vllm_config=vllm_config, prefix=f"{prefix}.linear_attn"
             )
         else:

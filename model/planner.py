@@ -66,6 +66,28 @@ DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE for VocabParallelEmbedding/ParallelLMHead
 
 
+def ssm_state_dtype(
+    requested: str, device: str, model_dtype: str = "bf16", cpu_avx512_bf16: bool | None = None
+) -> str:
+    """The GDN SSM-state dtype vLLM really allocates for ``--mamba-ssm-cache-dtype`` ``requested``.
+
+    ``auto`` means the model dtype, except on vLLM's CPU build on CPUs with AVX512-BF16: there its
+    accelerated GDN path resets every SSM cache not explicitly fp16/bf16 to float32
+    (``CpuPlatform.check_and_update_config``), which doubles the GDN page and grows the block.
+    ``cpu_avx512_bf16=None`` asks this host's CPU, which is right whenever the plan is for here.
+    """
+    if requested not in ("auto", *DTYPE_BYTES):
+        raise ValueError(f"unknown mamba SSM cache dtype {requested!r} (auto, bf16, fp16, fp32)")
+    if device == "cpu" and requested in ("auto", "fp32"):
+        if cpu_avx512_bf16 is None:
+            import torch
+
+            cpu_avx512_bf16 = torch.cpu._is_avx512_bf16_supported()
+        if cpu_avx512_bf16:
+            return "fp32"
+    return model_dtype if requested == "auto" else requested
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -296,8 +318,9 @@ def plan_cache(
     device: str = "cuda",
     block_size: int | None = None,
     prefix_caching: bool = True,
-    mamba_ssm_dtype: str = "bf16",
+    mamba_ssm_dtype: str = "auto",
     model_dtype: str = "bf16",
+    cpu_avx512_bf16: bool | None = None,
 ) -> CachePlan:
     c = config
     types = list(c.layer_types)
@@ -318,8 +341,9 @@ def plan_cache(
         c.linear_value_head_dim,
     )
     conv_dim = 2 * nk * dk + nv * dv
+    ssm_dtype = ssm_state_dtype(mamba_ssm_dtype, device, model_dtype, cpu_avx512_bf16)
     gdn_conv = (c.linear_conv_kernel_dim - 1) * shard(conv_dim, tp, "GDN conv dim") * mb
-    gdn_ssm = shard(nv, tp, "linear_num_value_heads") * dv * dk * DTYPE_BYTES[mamba_ssm_dtype]
+    gdn_ssm = shard(nv, tp, "linear_num_value_heads") * dv * dk * DTYPE_BYTES[ssm_dtype]
     gdn_page = gdn_conv + gdn_ssm
     ple_page = 0
     if n_ple:
@@ -420,7 +444,7 @@ class Options:
     kv_cache_gib: float | None = None  # fix the KV memory per rank (CPU: VLLM_CPU_KVCACHE_SPACE)
     block_size: int | None = None
     prefix_caching: bool = True
-    mamba_ssm_dtype: str = "bf16"
+    mamba_ssm_dtype: str = "auto"
     ple_format: str | None = None  # default: the checkpoint's
     ple_on_device: bool = False  # VLLM_PLE_CPU_OFFLOAD=0
     worker_host_gib: float = 4.0  # per GPU worker: CUDA context, torch, staging (assumed)
@@ -669,7 +693,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--block-size", type=int)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--mamba-ssm-dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument(
+        "--mamba-ssm-dtype",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="vLLM's --mamba-ssm-cache-dtype (auto: the model dtype; fp32 on AVX512-BF16 CPUs with --device cpu)",
+    )
     p.add_argument("--ple-format", choices=PLE_FORMATS, help="default: the checkpoint's ple_embedding_dtype")
     p.add_argument("--ple-on-device", action="store_true", help="VLLM_PLE_CPU_OFFLOAD=0")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -16,6 +16,12 @@ platform constants that are planner options (default block size 128 instead of 1
 
 The engine runs with the FP8 KV cache, so the planner's FP8 row (1-byte K/V codes, bf16 index key)
 and the non-trivial block growth (128 -> 256 tokens to fit the GDN state) are both exercised.
+
+It runs twice: with vLLM's default SSM-state dtype, which is the model dtype on most CPUs but
+float32 on CPUs with AVX512-BF16 (vLLM's CPU platform resets it there; the planner detects the
+host), and with ``mamba_ssm_cache_dtype=float32`` explicitly, so that the AVX512-BF16 hosts'
+page and block arithmetic (a 2x larger GDN state, blocks of 384 tokens) is checked against vLLM
+on every host.
 """
 
 from __future__ import annotations
@@ -28,15 +34,32 @@ import sys
 
 import pytest
 
-from model.planner import GIB, capacity, load_config, plan_cache, ple_tables, weights_per_rank
+from model.planner import (
+    DEFAULT_BLOCK_SIZE,
+    GIB,
+    capacity,
+    load_config,
+    plan_cache,
+    ple_tables,
+    weights_per_rank,
+)
 from tests.conftest import ROOT, ensure_checkpoint
 
 MAX_LEN = 1024
 KV_SPACE_GIB = 1
 
 
+# vLLM's --mamba-ssm-cache-dtype -> the planner's name for it
+SSM_DTYPES = {"auto": "auto", "float32": "fp32"}
+
+
+@pytest.fixture(scope="module", params=list(SSM_DTYPES))
+def ssm_dtype(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def probe(tmp_path_factory) -> dict:
+def probe(tmp_path_factory, ssm_dtype) -> dict:
     ckpt = ensure_checkpoint("tiny")
     scales = tmp_path_factory.mktemp("scales") / "qsa-kv-scales.json"
     scales.write_text(json.dumps({"model.layers.3.self_attn": {"k_scale": 0.02, "v_scale": 0.02}}))
@@ -47,7 +70,7 @@ def probe(tmp_path_factory) -> dict:
         VLLM_QSA_KV_SCALES=str(scales),
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.deploy.vllm_probe", str(ckpt), str(MAX_LEN), "fp8"],
+        [sys.executable, "-m", "tests.deploy.vllm_probe", str(ckpt), str(MAX_LEN), "fp8", ssm_dtype],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -89,8 +112,8 @@ def test_ple_tables_equal_vllm_storage(probe, config):
     assert tables.bytes_per_rank["bf16"] == sum(probe["ple_table_bytes"])
 
 
-def test_cache_specs_equal_vllm(probe, config):
-    plan = plan_cache(config, tp=1, kv_dtype="fp8", device="cpu")
+def test_cache_specs_equal_vllm(probe, config, ssm_dtype):
+    plan = plan_cache(config, tp=1, kv_dtype="fp8", device="cpu", mamba_ssm_dtype=SSM_DTYPES[ssm_dtype])
     qsa = [g for g in probe["groups"] if g["type"] == "FullAttentionSpec"]
     gdn = [g for g in probe["groups"] if g["type"] == "MambaSpec" and g["layers"][0].endswith("linear_attn")]
     ple = [g for g in probe["groups"] if g["type"] == "MambaSpec" and g["layers"][0].endswith("ple.state")]
@@ -101,12 +124,12 @@ def test_cache_specs_equal_vllm(probe, config):
     assert gdn[0]["real_page_size_bytes"] == plan.gdn_state_bytes
     assert ple[0]["real_page_size_bytes"] == plan.ple_state_bytes
     assert {g["page_size_bytes"] for g in probe["groups"]} == {plan.page_bytes}
-    assert qsa[0]["block_size"] == plan.block_size == 256  # grown from the CPU default 128
+    assert qsa[0]["block_size"] == plan.block_size > DEFAULT_BLOCK_SIZE["cpu"]  # grown to fit the GDN state
     assert len(probe["groups"]) == plan.num_groups
 
 
-def test_capacity_equals_vllm_log_line(probe, config):
-    plan = plan_cache(config, tp=1, kv_dtype="fp8", device="cpu")
+def test_capacity_equals_vllm_log_line(probe, config, ssm_dtype):
+    plan = plan_cache(config, tp=1, kv_dtype="fp8", device="cpu", mamba_ssm_dtype=SSM_DTYPES[ssm_dtype])
     cap = capacity(plan, KV_SPACE_GIB * GIB, MAX_LEN)
     assert probe["num_blocks"] == cap.num_blocks
     assert probe["log_max_len"] == MAX_LEN, f"vLLM's capacity line not found in: {probe['log_lines']}"

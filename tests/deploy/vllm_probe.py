@@ -7,7 +7,7 @@ Run by ``test_planner_vs_vllm.py`` in a subprocess (one engine, isolated from th
 the KV-cache config the engine core allocated (blocks, groups, per-layer specs), and the
 bytes of the parameters and PLE tables the worker holds.
 
-Usage: python -m tests.deploy.vllm_probe CHECKPOINT MAX_MODEL_LEN KV_CACHE_DTYPE
+Usage: python -m tests.deploy.vllm_probe CHECKPOINT MAX_MODEL_LEN KV_CACHE_DTYPE [MAMBA_SSM_CACHE_DTYPE]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import sys
 
 def main() -> None:
     checkpoint, max_len, kv_dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    ssm_dtype = sys.argv[4] if len(sys.argv) > 4 else "auto"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: inspectable
     from vllm import LLM, SamplingParams
 
@@ -26,6 +27,7 @@ def main() -> None:
         model=checkpoint,
         dtype="bfloat16",
         kv_cache_dtype=kv_dtype,
+        mamba_ssm_cache_dtype=ssm_dtype,
         max_model_len=max_len,
         max_num_seqs=8,
         enforce_eager=True,

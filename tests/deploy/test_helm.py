@@ -2,7 +2,12 @@
 
 Built-in kinds are validated with kubernetes-validate's bundled Kubernetes JSON schemas (strict:
 unknown fields fail); the Prometheus Operator kinds against ``schemas/monitoring.coreos.com_v1.json``
-(a subset of the CRD schemas), and the PrometheusRule's groups additionally with ``promtool``.
+(a subset of the CRD schemas), and the PrometheusRule's groups additionally with ``promtool``. The
+values are validated by Helm itself against the chart's ``values.schema.json``.
+
+Three cluster shapes are rendered: no Prometheus Operator CRDs (``helm template`` without
+``--api-versions``, what ``helm install`` sees on such a cluster), the CRDs served (``CRDS``), and
+kube-prometheus-stack, whose Prometheus selects objects labelled ``release=<its release>``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from model.planner import Machine, Options, make_plan
 
 from .tools import CHART, DASHBOARDS, EXAMPLE_CONFIG, RULES, python_module_or_fail, run, tool
 
+PROMTOOL_TESTS = Path(__file__).parent / "promtool" / "qwen4exp-alerts.test.yml"
+
 K8S_VERSION = "1.33.0"
 SCHEMAS = json.loads((Path(__file__).parent / "schemas" / "monitoring.coreos.com_v1.json").read_text())
 REQUIRED = [
@@ -24,17 +31,32 @@ REQUIRED = [
     "--set", "apiKeys.existingSecret=qwen4exp-api-keys",
     "--set", "sidecar.existingConfigMap=qwen4exp-kv-scales",
 ]  # fmt: skip
+# The cluster serves the Prometheus Operator's API (what `helm install` finds with its CRDs installed).
+CRDS = [
+    "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
+    "--api-versions", "monitoring.coreos.com/v1/PrometheusRule",
+]  # fmt: skip
+MONITORING = {"ServiceMonitor", "PrometheusRule"}
 
 
-def render(*args: str) -> tuple[int, str]:
-    proc = run([tool("helm"), "template", "qwen4exp", str(CHART), "--namespace", "llm", *args])
+def render(*args: str, release: str = "qwen4exp") -> tuple[int, str]:
+    proc = run([tool("helm"), "template", release, str(CHART), "--namespace", "llm", *args])
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def docs(*args: str) -> list[dict]:
-    code, out = render(*args)
+def docs(*args: str, release: str = "qwen4exp") -> list[dict]:
+    code, out = render(*args, release=release)
     assert code == 0, out
     return [d for d in yaml.safe_load_all(out) if d]
+
+
+def notes(*args: str) -> str:
+    """NOTES.txt as `helm install` prints it (client-side dry run: no cluster)."""
+    proc = run(
+        [tool("helm"), "install", "qwen4exp", str(CHART), "--namespace", "llm", "--dry-run=client", *args]
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.split("NOTES:", 1)[1]
 
 
 def by_kind(manifests: list[dict]) -> dict[str, dict]:
@@ -43,11 +65,11 @@ def by_kind(manifests: list[dict]) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def manifests() -> list[dict]:
-    return docs(*REQUIRED)
+    return docs(*REQUIRED, *CRDS)
 
 
 def test_helm_lint():
-    proc = run([tool("helm"), "lint", str(CHART), *REQUIRED])
+    proc = run([tool("helm"), "lint", "--strict", str(CHART), *REQUIRED])
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -154,12 +176,24 @@ def test_deployment_for_one_4x3090_node(manifests):
     assert pod["securityContext"]["runAsNonRoot"] is True
 
 
-def test_memory_request_covers_the_planners_host_memory(manifests):
-    """requests.memory + /dev/shm come from the planner (PLE format fp8_e4m3, 4x3090, 128 GiB)."""
+def test_guaranteed_qos_sized_from_the_planner(manifests):
+    """Requests == limits (Guaranteed QoS) and the memory covers the planner's container memory
+    (pinned PLE tables fp8_e4m3 + workers + front end + /dev/shm, 4x3090, 128 GiB) without taking
+    the node's OS share."""
     plan = make_plan(EXAMPLE_CONFIG, Machine(), Options(ple_format="fp8_e4m3"))
-    c = by_kind(manifests)["Deployment"]["spec"]["template"]["spec"]["containers"][0]
-    request = c["resources"]["requests"]["memory"]
-    assert request.endswith("Gi") and int(request[:-2]) >= plan.memory_request_gib
+    pod = by_kind(manifests)["Deployment"]["spec"]["template"]["spec"]
+    for c in pod["containers"]:  # Guaranteed: every container, cpu and memory, limits == requests
+        res = c["resources"]
+        assert res["requests"] == res["limits"], res
+        assert {"cpu", "memory"} <= set(res["limits"])
+    res = pod["containers"][0]["resources"]["limits"]
+    memory = res["memory"]
+    assert memory.endswith("Gi")
+    assert (
+        plan.memory_request_gib <= int(memory[:-2]) <= plan.machine.host_ram_gib - plan.options.os_reserve_gib
+    )
+    shm = pod["volumes"][[v["name"] for v in pod["volumes"]].index("dshm")]["emptyDir"]["sizeLimit"]
+    assert shm == f"{plan.options.shm_gib:g}Gi", "the planner's /dev/shm is part of its memory figure"
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["engine"]["maxNumSeqs"] <= plan.capacity.sequences_fit
     assert values["engine"]["maxModelLen"] == plan.seq_len
@@ -180,5 +214,155 @@ def test_servicemonitor_scrapes_the_service_port(manifests):
     kinds = by_kind(manifests)
     (endpoint,) = kinds["ServiceMonitor"]["spec"]["endpoints"]
     assert endpoint["port"] == kinds["Service"]["spec"]["ports"][0]["name"] and endpoint["path"] == "/metrics"
-    closed = by_kind(docs(*REQUIRED, "--set", "metrics.open=false"))["ServiceMonitor"]
+    closed = by_kind(docs(*REQUIRED, *CRDS, "--set", "metrics.open=false"))["ServiceMonitor"]
     assert closed["spec"]["endpoints"][0]["authorization"]["credentials"]["name"] == "qwen4exp-api-keys"
+
+
+# ------------------------------------------------------------------------------------------------
+# Cluster shapes: no CRDs, kube-prometheus-stack, another release name
+# ------------------------------------------------------------------------------------------------
+
+
+def test_without_prometheus_operator_crds_no_monitoring_objects_and_a_warning():
+    """helm install on a cluster without the CRDs must not fail: the objects are skipped, NOTES say so."""
+    python_module_or_fail("kubernetes_validate")
+    import kubernetes_validate
+
+    rendered = docs(*REQUIRED)
+    assert not MONITORING & {d["kind"] for d in rendered}
+    for d in rendered:  # everything left is a built-in kind the API server accepts
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    text = notes(*REQUIRED)
+    assert "no ServiceMonitor was created" in text and "no PrometheusRule was created" in text
+    # Explicit choices win: true renders without the API (offline rendering), false never renders.
+    assert MONITORING <= {d["kind"] for d in docs(*REQUIRED, "--set", "serviceMonitor.enabled=true",
+                                                  "--set", "prometheusRule.enabled=true")}  # fmt: skip
+    off = docs(
+        *REQUIRED, *CRDS, "--set", "serviceMonitor.enabled=false", "--set", "prometheusRule.enabled=false"
+    )
+    assert not MONITORING & {d["kind"] for d in off}
+
+
+def test_kube_prometheus_stack_selects_the_objects_by_release_label():
+    """kube-prometheus-stack (release "kps") selects ServiceMonitors and PrometheusRules with
+    matchLabels {release: kps} (serviceMonitorSelectorNilUsesHelmValues / ruleSelectorNilUsesHelmValues)."""
+    selector = {"release": "kps"}
+    unlabelled = by_kind(docs(*REQUIRED, *CRDS))
+    for kind in MONITORING:
+        assert not selector.items() <= unlabelled[kind]["metadata"]["labels"].items()
+    # helm install has no --api-versions: the CRDs' effect is forced with enabled=true.
+    forced = ["--set", "serviceMonitor.enabled=true", "--set", "prometheusRule.enabled=true"]
+    assert 'has no "release" label' in notes(*REQUIRED, *forced)
+
+    args = [
+        *REQUIRED,
+        *CRDS,
+        "--set",
+        "serviceMonitor.labels.release=kps",
+        "--set",
+        "prometheusRule.labels.release=kps",
+    ]
+    labelled = by_kind(docs(*args))
+    for kind in MONITORING:
+        assert selector.items() <= labelled[kind]["metadata"]["labels"].items(), kind
+        jsonschema_validate(labelled[kind])
+    assert "WARNING" not in notes(*[a for a in args if a not in CRDS], *forced)
+    # The dashboards ConfigMap carries the label kube-prometheus-stack's Grafana sidecar watches.
+    cm = [
+        d for d in docs(*args) if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboards")
+    ]
+    assert cm[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
+
+
+def jsonschema_validate(doc: dict) -> None:
+    python_module_or_fail("jsonschema")
+    import jsonschema
+
+    jsonschema.validate(doc, SCHEMAS[doc["kind"]])
+
+
+def test_custom_release_name_and_the_job_label_the_alerts_are_tested_with():
+    """Release "prod": every object is prod-qwen4exp, selectors still connect, and the Prometheus
+    Operator's job label (the Service name) is the one the promtool unit tests use."""
+    kinds = by_kind(docs(*REQUIRED, *CRDS, release="prod"))
+    for kind in ("Deployment", "Service", "ServiceMonitor", "PrometheusRule"):
+        assert kinds[kind]["metadata"]["name"] == "prod-qwen4exp", kind
+    pod_labels = kinds["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert kinds["Service"]["spec"]["selector"].items() <= pod_labels.items()
+    monitor = kinds["ServiceMonitor"]["spec"]["selector"]["matchLabels"]
+    assert monitor.items() <= kinds["Service"]["metadata"]["labels"].items()
+    assert "jobLabel" not in kinds["ServiceMonitor"]["spec"]  # so job = the Service's name
+    assert f'job="{kinds["Service"]["metadata"]["name"]}"' in PROMTOOL_TESTS.read_text()
+    assert kinds["PrometheusRule"]["spec"] == yaml.safe_load(RULES.read_text())
+
+
+# ------------------------------------------------------------------------------------------------
+# values.schema.json, image, runtime class, PodDisruptionBudget
+# ------------------------------------------------------------------------------------------------
+
+
+def test_values_schema_is_valid_and_accepts_the_defaults():
+    python_module_or_fail("jsonschema")
+    import jsonschema
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    jsonschema.validate(yaml.safe_load((CHART / "values.yaml").read_text()), schema)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "engine.kvCacheDtype=fp16"], "/engine/kvCacheDtype"),
+        (["--set", "resources.memory=lots"], "/resources/memory"),
+        (["--set", "serviceMonitor.enabeld=true"], "additional properties 'enabeld' not allowed"),
+        (["--set", "serviceMonitor.enabled=yes"], "/serviceMonitor/enabled"),
+        (["--set", "image.digest=latest"], "/image/digest"),
+        (["--set", "image.pullPolicy=Sometimes"], "/image/pullPolicy"),
+        (["--set", "engine.gpuMemoryUtilization=1.5"], "/engine/gpuMemoryUtilization"),
+        (["--set", "apiKeys.keys={has space}"], "/apiKeys/keys/0"),
+    ],
+)
+def test_values_schema_rejects_bad_values(args, message):
+    code, out = render(*REQUIRED, *args)
+    assert code != 0 and message in out, out
+
+
+def test_gpus_must_match_tensor_parallel_size():
+    code, out = render(*REQUIRED, "--set", "resources.gpus=2")
+    assert code != 0 and "resources.gpus (2) must equal engine.tensorParallelSize (4)" in out
+
+
+def test_image_by_digest_runtime_class_and_secret_mode(manifests):
+    pod = by_kind(manifests)["Deployment"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == "qwen4exp-serve:0.1.0"
+    assert pod["runtimeClassName"] == "nvidia"
+    keys = [v for v in pod["volumes"] if v["name"] == "api-keys"][0]["secret"]
+    assert keys["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == 10001
+    digest = "sha256:" + "ab" * 32
+    pinned = by_kind(
+        docs(*REQUIRED, "--set", f"image.digest={digest}", "--set", "image.repository=reg.example/llm/q")
+    )
+    assert (
+        pinned["Deployment"]["spec"]["template"]["spec"]["containers"][0]["image"]
+        == f"reg.example/llm/q@{digest}"
+    )
+    no_class = by_kind(docs(*REQUIRED, "--set", "runtimeClassName="))["Deployment"]["spec"]["template"][
+        "spec"
+    ]
+    assert "runtimeClassName" not in no_class
+
+
+def test_pod_disruption_budget_is_optional_and_valid(manifests):
+    python_module_or_fail("kubernetes_validate")
+    import kubernetes_validate
+
+    assert "PodDisruptionBudget" not in by_kind(manifests)
+    pdb = by_kind(docs(*REQUIRED, "--set", "podDisruptionBudget.enabled=true"))["PodDisruptionBudget"]
+    kubernetes_validate.validate(pdb, K8S_VERSION, strict=True)
+    assert pdb["spec"]["maxUnavailable"] == 0
+    dep = by_kind(docs(*REQUIRED))["Deployment"]
+    assert (
+        pdb["spec"]["selector"]["matchLabels"].items()
+        <= dep["spec"]["template"]["metadata"]["labels"].items()
+    )

@@ -30,6 +30,28 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- .Values.sidecar.existingConfigMap | default (printf "%s-sidecar" (include "qwen4exp.fullname" .)) -}}
 {{- end -}}
 
+{{/*
+A Prometheus Operator object is rendered when its enabled value is true, or "auto" and the cluster
+serves its API (helm install asks the cluster; helm template needs --api-versions). Without the
+CRDs an unconditional ServiceMonitor makes the whole install fail.
+Arguments: (list enabled "monitoring.coreos.com/v1/Kind" .Capabilities). Returns "true" or "".
+*/}}
+{{- define "qwen4exp.wanted" -}}
+{{- $enabled := toString (index . 0) -}}
+{{- if eq $enabled "auto" -}}
+{{- if (index . 2).APIVersions.Has (index . 1) -}}true{{- end -}}
+{{- else if eq $enabled "true" -}}true
+{{- end -}}
+{{- end -}}
+
+{{- define "qwen4exp.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository .Values.image.tag -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Values that must be set, checked once (Deployment template). */}}
 {{- define "qwen4exp.validate" -}}
 {{- if not .Values.model.hostPath -}}
@@ -43,6 +65,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- if and (eq (toString .Values.engine.kvCacheDtype) "fp8") (not .Values.sidecar.enabled) -}}
 {{- fail "engine.kvCacheDtype=fp8 needs the KV scales sidecar (sidecar.enabled=true)" -}}
+{{- end -}}
+{{- if ne (int .Values.resources.gpus) (int .Values.engine.tensorParallelSize) -}}
+{{- fail (printf "resources.gpus (%v) must equal engine.tensorParallelSize (%v): one GPU per tensor-parallel rank" .Values.resources.gpus .Values.engine.tensorParallelSize) -}}
 {{- end -}}
 {{- $minGrace := add .Values.preStopSleepSeconds .Values.engine.drainSeconds -}}
 {{- if le (int .Values.terminationGracePeriodSeconds) (int $minGrace) -}}

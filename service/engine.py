@@ -22,7 +22,9 @@ from vllm.inputs import TokensPrompt
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.loggers import StatLoggerBase
 
+from .lifecycle import Lifecycle
 from .settings import ServiceSettings, SettingsError
 
 log = logging.getLogger("service.engine")
@@ -115,17 +117,42 @@ def engine_config(args: Namespace) -> VllmConfig:
         ) from None
 
 
-def build_engine(vllm_config: VllmConfig, args: Namespace) -> AsyncLLM:
+class ProgressStatLogger(StatLoggerBase):
+    """A vLLM stat logger that tells the lifecycle whenever an engine step processed tokens.
+
+    vLLM calls ``record`` in this process for every batch of engine outputs, so this is the
+    cheapest faithful signal that the engine is making progress (``/ready`` uses it).
+    """
+
+    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0, *, lifecycle: Lifecycle) -> None:
+        self.lifecycle = lifecycle
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        if iteration_stats is not None and (
+            iteration_stats.num_generation_tokens or iteration_stats.num_prompt_tokens
+        ):
+            self.lifecycle.engine_progressed()
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+def build_engine(vllm_config: VllmConfig, args: Namespace, lifecycle: Lifecycle) -> AsyncLLM:
     """Blocking (loads weights, starts EngineCore and workers); run it in a thread.
 
     Mirrors ``build_async_engine_client_from_engine_args``, which constructs the engine inside
     the event loop and would block it for the whole load.
     """
+
+    def progress_logger(config: VllmConfig, engine_index: int) -> StatLoggerBase:
+        return ProgressStatLogger(config, engine_index, lifecycle=lifecycle)
+
     return AsyncLLM.from_vllm_config(
         vllm_config=vllm_config,
         usage_context=UsageContext.OPENAI_API_SERVER,
         enable_log_requests=args.enable_log_requests,
         disable_log_stats=args.disable_log_stats,
+        stat_loggers=[progress_logger],
     )
 
 

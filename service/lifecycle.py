@@ -35,6 +35,7 @@ class Lifecycle:
         self._idle = asyncio.Event()
         self._idle.set()
         self.last_generation_ok: float | None = None  # time.monotonic() of the last success
+        self.last_engine_progress: float | None = None  # last engine step that processed tokens
 
     def enter(self) -> None:
         self.inflight += 1
@@ -58,6 +59,15 @@ class Lifecycle:
 
     def generation_age(self) -> float | None:
         return None if self.last_generation_ok is None else time.monotonic() - self.last_generation_ok
+
+    def engine_progressed(self) -> None:
+        self.last_engine_progress = time.monotonic()
+
+    def freshness_age(self) -> float | None:
+        """Seconds since the engine last showed it works: a finished generation or a step that
+        processed tokens (a busy engine whose requests are all long still progresses)."""
+        stamps = [t for t in (self.last_generation_ok, self.last_engine_progress) if t is not None]
+        return time.monotonic() - max(stamps) if stamps else None
 
 
 class LifecycleGate:

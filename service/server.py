@@ -13,15 +13,20 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
+from pathlib import Path
 
 import uvicorn
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.launcher import NoSignalServer
 from vllm.version import __version__ as vllm_version
+
+from model.engine_guard import FATAL_FILE_ENV
 
 from . import http_metrics
 from .app import build_app
@@ -32,7 +37,7 @@ from .settings import ServiceSettings, SettingsError
 log = logging.getLogger("service")
 
 FIRST_GENERATION_TIMEOUT_S = 300.0  # the first step can include lazy initialisation
-ENGINE_WATCH_INTERVAL_S = 2.0
+ENGINE_WATCH_INTERVAL_S = 0.5
 STOP_WHILE_LOADING_WAIT_S = 30.0
 
 
@@ -60,7 +65,7 @@ def in_daemon_thread(fn, *args) -> asyncio.Future:
 
 
 async def start_engine(app, vllm_config, args, lifecycle: Lifecycle) -> None:
-    engine = await in_daemon_thread(build_engine, vllm_config, args)
+    engine = await in_daemon_thread(build_engine, vllm_config, args, lifecycle)
     app.state.engine_client = engine
     supported_tasks = await engine.get_supported_tasks()
     await init_app_state(engine, app.state, args, supported_tasks)
@@ -79,8 +84,22 @@ async def watch_engine(app) -> None:
             return
 
 
+def engine_death_reason() -> str:
+    """What the engine core wrote before it died (``model.engine_guard``), else a pointer to the log."""
+    path = os.environ.get(FATAL_FILE_ENV)
+    try:
+        reason = Path(path).read_text().strip() if path else ""
+    except OSError:
+        reason = ""
+    return reason or "no reason recorded; the engine core's traceback above has it"
+
+
 async def serve(settings: ServiceSettings, sock: socket.socket) -> int:
     device, vllm_config, args = configure_engine(settings)
+    # The engine core (a child process, which inherits this) writes its fatal reason here.
+    fatal_fd, fatal_path = tempfile.mkstemp(prefix="qwen4exp-engine-fatal-")
+    os.close(fatal_fd)
+    os.environ[FATAL_FILE_ENV] = fatal_path
     lifecycle = Lifecycle()
     app, asgi = build_app(settings, args, lifecycle, device)
     http_metrics.SERVICE_INFO.labels(
@@ -123,16 +142,17 @@ async def serve(settings: ServiceSettings, sock: socket.socket) -> int:
         )
         watch_task.cancel()
         if watch_task in done:
-            log.error("the engine died; exiting")
+            log.error("the engine died (%s); exiting with code 1 for a restart", engine_death_reason())
             exit_code = 1
     if stop_task in done:
         exit_code = await drain(settings, lifecycle)
     if server_task in done and exit_code == 0 and not stop.is_set():
         engine = app.state.engine_client
         # vLLM's engine-error handler stops the HTTP server when a request finds the engine dead.
-        log.error(
-            "the engine died; exiting" if engine is not None and engine.errored else "HTTP server stopped"
-        )
+        if engine is not None and engine.errored:
+            log.error("the engine died (%s); exiting with code 1 for a restart", engine_death_reason())
+        else:
+            log.error("HTTP server stopped")
         exit_code = 1
 
     lifecycle.phase = Phase.STOPPED
@@ -154,6 +174,8 @@ async def serve(settings: ServiceSettings, sock: socket.socket) -> int:
             engine.output_handler.cancel()
         await loop.run_in_executor(None, engine.shutdown)
     sock.close()
+    with contextlib.suppress(OSError):
+        os.unlink(fatal_path)
     log.info("stopped (exit code %d)", exit_code)
     return exit_code
 

@@ -32,6 +32,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from model.config_checks import validate_text_config
+from model.engine_guard import fault_injector
 
 from .gdn import Qwen4ExpGatedDeltaNet
 from .hyper_connection import GatedResidual
@@ -102,6 +103,7 @@ class Qwen4ExpModel(nn.Module):
             config.hc_count, config.hidden_size, config.hc_lowrank, config.rms_norm_eps, with_injection=False
         )
         self.ple_prefetch = PLEPrefetcher(self.layers)
+        self.fault_check = fault_injector()  # None unless a resilience test asks for it
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -111,6 +113,8 @@ class Qwen4ExpModel(nn.Module):
             raise ValueError(
                 "Qwen4-Exp needs the token ids (PLE hashes them); embeddings alone are not enough"
             )
+        if self.fault_check is not None:
+            self.fault_check(input_ids)
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         streams = hidden.repeat(1, self.config.hc_count)
         self.ple_prefetch.begin(input_ids)

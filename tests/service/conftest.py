@@ -1,8 +1,9 @@
 """Fixtures that run the real service (``python -m service``) as a subprocess on loopback.
 
 Starting an engine takes ~35 s on the 2-core CI machine, so the suite uses two servers, one at a
-time: ``limited_server`` (admission limit 1, short drain) for the 429 and SIGTERM tests, which
-ends the process, then the session-wide ``server`` for everything else.
+time: the module-scoped ``limited_server`` (admission limit 1, short drain) for the 429 and SIGTERM
+tests and ``fault_server`` (fault injection, strict readiness) for the resilience tests, each
+ended with its module, then the session-wide ``server`` for everything else.
 ``pytest_collection_modifyitems`` orders the tests so they never overlap.
 """
 
@@ -211,7 +212,7 @@ def sse_events(lines) -> list:
 
 def _server_rank(item) -> int:
     names = getattr(item, "fixturenames", ())
-    if "limited_server" in names:
+    if "limited_server" in names or "fault_server" in names:
         return 1
     if "server" in names:
         return 2

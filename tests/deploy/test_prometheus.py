@@ -1,11 +1,13 @@
 """Prometheus config, alert rules and dashboards: promtool, and a real Prometheus scraping the service.
 
 The live test starts ``python -m service`` (tiny checkpoint, CPU, FP8 QSA KV cache with a scale
-chosen so small that every K/V element clips, clip counters read every second) and a Prometheus
-built from ``deploy/prometheus/prometheus.yml`` with only the target and intervals changed. After
-some traffic every PromQL expression of the dashboards and alert rules is evaluated through
-Prometheus' HTTP API: it must succeed, every metric it names must exist, and the clipping alert
-must be firing.
+chosen so small that every K/V element clips, clip counters read every second), a node exporter,
+an Alertmanager built from ``deploy/alertmanager/alertmanager.yml`` whose chat webhook is a local
+HTTP receiver, and a Prometheus built from ``deploy/prometheus/prometheus.yml`` with only the
+targets and intervals changed (the DCGM job points at a closed port: no GPU here). After some
+traffic every PromQL expression of the dashboards and alert rules is evaluated through Prometheus'
+HTTP API: it must succeed, every metric it names must exist (DCGM's excepted), the clipping alert
+must be firing and its notification must reach the webhook.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -29,8 +33,17 @@ from tests.conftest import ROOT, ensure_checkpoint
 from .tools import DASHBOARDS, PROMETHEUS_CONFIG, RULES, run, tool
 
 KEY = "deploy-test-key"
-METRIC = re.compile(r"\b(vllm:[a-z_:]+|qwen4exp_[a-z0-9_]+|up)\b")
-GRAFANA_VARS = {"$__rate_interval": "20s", "$__range": "5m", "$instance": ".*", "${instance}": ".*"}
+METRIC = re.compile(r"\b(vllm:[a-z_:]+|qwen4exp_[a-z0-9_]+|node_[a-z0-9_]+|up)\b")
+GRAFANA_VARS = {
+    "$__rate_interval": "20s", "$__range": "5m", "$instance": ".*", "${instance}": ".*",
+    "$gpu_host": ".*", "$node": ".*",
+}  # fmt: skip
+VARIABLES = {
+    "qwen4exp-hardware.json": {"datasource", "gpu_host", "node"},
+    "qwen4exp-model.json": {"datasource", "instance"},
+    "qwen4exp-serving.json": {"datasource", "instance"},
+}
+ALERTMANAGER_CONFIG = ROOT / "deploy" / "alertmanager" / "alertmanager.yml"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -81,13 +94,13 @@ def test_promtool_check_rules():
 
 def test_dashboards_are_well_formed():
     files = sorted(DASHBOARDS.glob("*.json"))
-    assert [f.name for f in files] == ["qwen4exp-model.json", "qwen4exp-serving.json"]
+    assert [f.name for f in files] == sorted(VARIABLES)
     uids = set()
     for f in files:
         d = json.loads(f.read_text())
         assert d["uid"] not in uids
         uids.add(d["uid"])
-        assert {v["name"] for v in d["templating"]["list"]} == {"datasource", "instance"}
+        assert {v["name"] for v in d["templating"]["list"]} == VARIABLES[f.name]
         ids = [p["id"] for p in d["panels"]]
         assert len(ids) == len(set(ids)), f"{f.name}: duplicate panel ids"
         for p in d["panels"]:
@@ -97,7 +110,8 @@ def test_dashboards_are_well_formed():
             assert p["targets"] and all(t["expr"].strip() for t in p["targets"]), p["title"]
     titles = " ".join(p["title"] for f in files for p in json.loads(f.read_text())["panels"]).lower()
     for topic in ("time to first token", "inter-token", "end-to-end", "tokens / s", "running / waiting",
-                  "kv-cache use", "errors / s by status", "clips", "k/v scales", "pinned ple memory"):  # fmt: skip
+                  "kv-cache use", "errors / s by status", "clips", "k/v scales", "pinned ple memory",
+                  "gpu memory", "gpu utilisation", "gpu temperature", "gpu power", "host memory"):  # fmt: skip
         assert topic in titles, topic
 
 
@@ -184,17 +198,94 @@ def service(tmp_path_factory):
         stop(proc)
 
 
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 @pytest.fixture(scope="module")
-def prometheus(service, tmp_path_factory):
+def node_exporter(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("node-exporter")
+    port = free_port()
+    proc = start(
+        [tool("prometheus-node-exporter"), f"--web.listen-address=127.0.0.1:{port}",
+         "--collector.disable-defaults", "--collector.meminfo"],
+        tmp / "node-exporter.log",
+    )  # fmt: skip
+    try:
+        wait_for(f"http://127.0.0.1:{port}/metrics", proc, tmp / "node-exporter.log", timeout=30)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop(proc, timeout=10)
+
+
+class Webhook(BaseHTTPRequestHandler):
+    """The chat webhook Alertmanager posts to (Slack's incoming-webhook JSON)."""
+
+    received: list[dict] = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        Webhook.received.append(json.loads(body))
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def webhook():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Webhook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/services/T0/B0/x"
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def alertmanager(webhook, tmp_path_factory):
+    """The repository's Alertmanager config; only the webhook URL file's path and the waits changed."""
+    tmp = tmp_path_factory.mktemp("alertmanager")
+    port = free_port()
+    (tmp / "webhook-url").write_text(webhook + "\n")
+    cfg = yaml.safe_load(ALERTMANAGER_CONFIG.read_text())
+    for receiver in cfg["receivers"]:
+        for slack in receiver["slack_configs"]:
+            slack["api_url_file"] = str(tmp / "webhook-url")
+    cfg["route"].update(group_wait="1s", group_interval="1s")
+    (tmp / "alertmanager.yml").write_text(yaml.safe_dump(cfg))
+    log = tmp / "alertmanager.log"
+    proc = start(
+        [tool("prometheus-alertmanager"), f"--config.file={tmp / 'alertmanager.yml'}",
+         f"--storage.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+        log,
+    )  # fmt: skip
+    try:
+        wait_for(f"http://127.0.0.1:{port}/-/ready", proc, log, timeout=30)
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop(proc, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def prometheus(service, node_exporter, alertmanager, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prometheus")
     port = free_port()
     cfg = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
     cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
     cfg["rule_files"] = [str(RULES)]
+    cfg["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] = [alertmanager]
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert set(jobs) == {"qwen4exp", "dcgm", "node", "alertmanager", "prometheus"}
     jobs["qwen4exp"].update(scrape_interval="1s", scrape_timeout="1s")
     jobs["qwen4exp"]["static_configs"][0]["targets"] = [service]
     jobs["prometheus"]["static_configs"][0]["targets"] = [f"127.0.0.1:{port}"]
+    jobs["node"]["static_configs"][0]["targets"] = [node_exporter]
+    jobs["alertmanager"]["static_configs"][0]["targets"] = [alertmanager]
+    jobs["dcgm"]["static_configs"][0]["targets"] = [f"127.0.0.1:{free_port()}"]  # no GPU here: down
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
     log = tmp / "prometheus.log"
     with open(log, "w") as out:
@@ -248,6 +339,10 @@ def test_prometheus_scrapes_service_and_evaluates_every_expression(service, prom
     send_traffic(service)
     time.sleep(6)  # clip reader (1 s) + a few 1 s scrapes
 
+    deadline = time.monotonic() + 30
+    while not query(prometheus, 'up{job="node"} == 1')["result"]:
+        assert time.monotonic() < deadline, "Prometheus never scraped the node exporter"
+        time.sleep(0.5)
     names = set(httpx.get(prometheus + "/api/v1/label/__name__/values", timeout=10).json()["data"])
     exprs = dashboard_exprs() + rule_exprs()
     missing: dict[str, list[str]] = {}
@@ -267,8 +362,15 @@ def test_prometheus_scrapes_service_and_evaluates_every_expression(service, prom
         "count(qwen4exp_qsa_kv_scale) == 2",
         "count(qwen4exp_ple_pinned_bytes) == 2",
         "count(qwen4exp_ple_storage_info) == 2",
+        "node_memory_MemAvailable_bytes > 0",
+        'vllm:cache_config_info{enable_prefix_caching="False"}',
     ):
         assert query(prometheus, expr)["result"], f"no data for {expr}"
+    # The prefix-cache panel is honestly empty while prefix caching is off (it shows "prefix caching is off").
+    (prefix,) = [e for where, e in dashboard_exprs() if "Prefix-cache" in where]
+    assert query(prometheus, substitute(prefix))["result"] == []
+    ungated = prefix.split(" and on ")[0]  # the hit rate alone: series exist, the gate hides them
+    assert query(prometheus, substitute(ungated))["result"]
 
 
 def test_rules_are_healthy_and_clipping_alert_fires(service, prometheus):
@@ -284,3 +386,23 @@ def test_rules_are_healthy_and_clipping_alert_fires(service, prometheus):
     assert len(rules) == len(rule_exprs())
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
     assert "Qwen4ExpQSAKVClipping" in firing, firing
+    # The DCGM target is down (no GPU here) but is not the service: no Down alert for it.
+    assert query(prometheus, 'up{job="dcgm"} == 0')["result"]
+    assert not {"Qwen4ExpDown", "Qwen4ExpAbsent"} & firing, firing
+
+
+def test_clipping_alert_reaches_the_chat_webhook(service, prometheus, alertmanager, webhook):
+    """Prometheus -> the repository's Alertmanager config -> the Slack-compatible webhook."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        texts = [
+            a.get("title", "") + " " + a.get("text", "")
+            for m in Webhook.received
+            for a in m.get("attachments", [])
+        ]
+        if any("Qwen4ExpQSAKVClipping" in t for t in texts):
+            break
+        time.sleep(1)
+    assert any("FIRING: Qwen4ExpQSAKVClipping" in t and "QSA FP8 KV cache is clipping" in t for t in texts), (
+        Webhook.received
+    )

@@ -33,6 +33,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from model.config_checks import validate_text_config
 from model.engine_guard import fault_injector
+from model.quant_checks import TensorChecker, check_cpu_kernels, check_must_stay_unquantized
 
 from .gdn import Qwen4ExpGatedDeltaNet
 from .hyper_connection import GatedResidual
@@ -154,7 +155,14 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
         config = vllm_config.model_config.hf_text_config
         self.config = config
         self.model = Qwen4ExpModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head"))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size,
+            config.hidden_size,
+            quant_config=vllm_config.quant_config,
+            prefix=_join(prefix, "lm_head"),
+        )
+        self._quant_name = vllm_config.quant_config and vllm_config.quant_config.get_name()
+        check_must_stay_unquantized(self, self._quant_name)
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
@@ -243,6 +251,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
             if layer.ple is not None
         }
         seen_buffers: set[str] = set()
+        checker = TensorChecker(self, self._quant_name)
 
         def route(stream: Iterable[tuple[str, torch.Tensor]]):
             for name, tensor in stream:
@@ -261,10 +270,14 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
                         table.check_buffer(rest, tensor, name)
                         seen_buffers.add(name)
                         continue
+                checker.check(name, tensor)
                 yield name, tensor
 
         loader = AutoWeightsLoader(self)
-        loaded |= loader.load_weights(route(weights), mapper=self.hf_to_vllm_mapper)
+        with checker.guard():
+            loaded |= loader.load_weights(route(weights), mapper=self.hf_to_vllm_mapper)
+        checker.check_all_loaded(loaded)
+        check_cpu_kernels(checker.quantized)
         for owner, table in tables.items():
             missing = table.missing_shards()
             if missing:

@@ -242,17 +242,19 @@ class Qwen4ExpQSAAttention(nn.Module):
             2 * config.num_attention_heads,
             self.total_kv_heads,
             bias=False,
+            quant_config=vllm_config.quant_config,
             prefix=f"{prefix}.qkv_proj",
         )
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim,
             config.hidden_size,
             bias=False,
+            quant_config=vllm_config.quant_config,
             prefix=f"{prefix}.o_proj",
         )
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, eps)
-        self.indexer = QSAIndexer(config, prefix=f"{prefix}.indexer")
+        self.indexer = QSAIndexer(config, prefix=f"{prefix}.indexer", quant_config=vllm_config.quant_config)
         self.attn = QSACache(
             kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
@@ -315,13 +317,20 @@ class Qwen4ExpQSAAttention(nn.Module):
 class QSAIndexer(nn.Module):
     """Projects the index queries (several heads) and the single index key of every token."""
 
-    def __init__(self, config, prefix: str) -> None:
+    def __init__(self, config, prefix: str, quant_config=None) -> None:
         super().__init__()
         self.heads = config.indexer_n_heads
         self.dim = config.indexer_head_dim
-        # Replicated on every rank: selection must be identical across tensor-parallel ranks.
+        # Replicated on every rank: selection must be identical across tensor-parallel ranks. It
+        # gets the quantization config like every linear, so a checkpoint must name it in its
+        # ignore list (model.quant_checks refuses a quantized indexer) instead of it being skipped
+        # by accident.
         self.index_qk_proj = ReplicatedLinear(
-            config.hidden_size, (self.heads + 1) * self.dim, bias=False, prefix=f"{prefix}.index_qk_proj"
+            config.hidden_size,
+            (self.heads + 1) * self.dim,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.index_qk_proj",
         )
         self.q_layernorm = ZeroCenteredRMSNorm(self.dim, config.rms_norm_eps)
         self.k_layernorm = ZeroCenteredRMSNorm(self.dim, config.rms_norm_eps)

@@ -329,6 +329,7 @@ def main() -> int:
         "qsa_ref": {},
         "prefetch0": {"env": {"VLLM_PLE_PREFETCH": "0"}},
         "offload0": {"env": {"VLLM_PLE_CPU_OFFLOAD": "0"}},
+        "ple_sync": {"env": {"VLLM_PLE_PREFETCH": "0", "VLLM_PLE_CPU_OFFLOAD": "0"}},
         "ssm_fp32": {"engine": {"mamba_ssm_cache_dtype": "float32"}},
         "graphs": {"eager": False},
     }

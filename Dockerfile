@@ -14,6 +14,11 @@
 #   them across restarts; the first requests after a cold start pay the compilation.
 # - Nothing is downloaded at run time and no model is baked in: mount the checkpoint read-only and
 #   point QWEN4EXP_MODEL at it. HF_HUB_OFFLINE=1 makes an accidental hub lookup fail fast.
+# - Host driver: CUDA 13 needs NVIDIA driver >= 580, and GeForce cards (RTX 3090) get no forward
+#   compatibility. The base image's NVIDIA_REQUIRE_CUDA=cuda>=13.0 makes the NVIDIA runtime refuse
+#   an older driver at container creation ("requirement error: unsatisfied condition: cuda>=13.0");
+#   where that check does not run (CDI, NVIDIA_DISABLE_REQUIRE), `python -m service` runs its own
+#   preflight (service/cuda_preflight.py) and exits 3 naming the driver needed and found.
 FROM nvidia/cuda:13.0.2-runtime-ubuntu24.04 AS base
 
 ENV DEBIAN_FRONTEND=noninteractive \

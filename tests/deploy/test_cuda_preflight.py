@@ -133,3 +133,20 @@ def test_cli_on_this_machine_checks_for_the_images_cuda():
     assert plain.returncode == 0 and "CPU build" in plain.stdout, plain.stdout + plain.stderr
     bad = _cli("--readable", "/nonexistent/api-keys")
     assert bad.returncode == PREFLIGHT_EXIT_CODE and "/nonexistent/api-keys" in bad.stderr
+
+
+def test_the_images_cuda_and_the_documented_driver_agree_with_the_table():
+    """The Dockerfile's CUDA base, the preflight's table and the docs name the same driver."""
+    import re
+
+    from service.cuda_preflight import required_driver
+
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    major, minor = re.search(r"^FROM nvidia/cuda:(\d+)\.(\d+)\.\d+-runtime", dockerfile, re.M).groups()
+    driver = required_driver(f"{major}.{minor}")[0]
+    assert driver == 580
+    # The NVIDIA runtime's own check (the base image's NVIDIA_REQUIRE_CUDA) must stay on.
+    code = [ln for ln in dockerfile.splitlines() if not ln.lstrip().startswith("#")]
+    assert not [ln for ln in code if "NVIDIA_DISABLE_REQUIRE" in ln or "NVIDIA_REQUIRE_CUDA" in ln]
+    for doc in ("README.md", "deploy/README.md", "k8s/qwen4exp/README.md"):
+        assert f"driver >= {driver}" in (ROOT / doc).read_text(), doc

@@ -130,7 +130,7 @@ def test_monitoring_mounts_the_single_copies():
 def test_preflight_runs_first_with_the_services_image_mounts_and_gpus():
     services = _resolved()["services"]
     pre, svc = services["preflight"], services["qwen4exp"]
-    assert pre["image"] == svc["image"]
+    assert pre["image"] == svc["image"] and pre["build"] == svc["build"]  # built, never pulled
     assert pre["volumes"] == svc["volumes"] and pre["deploy"] == svc["deploy"]
     assert svc["depends_on"] == {"preflight": {"condition": "service_completed_successfully"}}
     assert pre["restart"] == "no"

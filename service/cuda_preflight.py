@@ -348,10 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, default=int(os.environ.get("QWEN4EXP_TENSOR_PARALLEL_SIZE", "1")))
     parser.add_argument("--cuda", help="CUDA runtime version to check for (default: this torch's)")
     parser.add_argument(
-        "--readable", type=Path, action="append", default=[], help="a path this user must read"
+        "--readable", action="append", default=[], help="a path this user must read (empty: skipped)"
     )
     args = parser.parse_args(argv)
-    problems = [msg for path in args.readable if (msg := unreadable(path))]
+    problems = [msg for path in args.readable if path and (msg := unreadable(Path(path)))]
     facts = gather(args.cuda)
     if facts.runtime_cuda is None:
         print(f"torch {facts.torch_version} is a CPU build: no CUDA check")

@@ -243,3 +243,20 @@ def test_init_secrets_makes_files_the_service_user_can_read(tmp_path):
         denied = _as_service_user(mounted / "api-keys")
         assert denied.returncode == 3 and "uid 10001 cannot read" in denied.stderr, denied.stderr
         assert "chmod 0644" in denied.stderr
+
+
+def test_kv_scales_can_be_turned_off_for_the_bf16_cache(tmp_path):
+    """VLLM_QSA_KV_SCALES= (empty) reaches the service empty (= unset for the model code); the
+    preflight then skips that path (an empty --readable)."""
+    env = tmp_path / "bf16.env"
+    text = (ROOT / ".env.example").read_text()
+    text = re.sub(r"^VLLM_QSA_KV_SCALES=.*$", "VLLM_QSA_KV_SCALES=", text, flags=re.M)
+    env.write_text(re.sub(r"^QWEN4EXP_KV_CACHE_DTYPE=.*$", "QWEN4EXP_KV_CACHE_DTYPE=auto", text, flags=re.M))
+    code, out = _config("--env-file", str(env))
+    assert code == 0, out
+    services = yaml.safe_load(out)["services"]
+    assert services["qwen4exp"]["environment"]["VLLM_QSA_KV_SCALES"] in ("", None)
+    argv = services["preflight"]["entrypoint"]
+    skipped = run([sys.executable, "-m", "service.cuda_preflight", *argv[3:]], cwd=ROOT)
+    # Here neither mount exists: exactly the two real paths are reported, the empty one is skipped.
+    assert argv.count("--readable") == 3 and skipped.stderr.count("cannot read") == 2, skipped.stderr

@@ -366,3 +366,32 @@ def test_pod_disruption_budget_is_optional_and_valid(manifests):
         pdb["spec"]["selector"]["matchLabels"].items()
         <= dep["spec"]["template"]["metadata"]["labels"].items()
     )
+
+
+def test_every_value_is_in_the_readme_table():
+    """README kept current: each leaf of values.yaml is named in the chart README's values table
+    (``a.b`` itself, ``a.*``, or ``a.b`` / ``.c`` shorthand rows)."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    table = "\n".join(ln for ln in (CHART / "README.md").read_text().splitlines() if ln.startswith("| `"))
+    opaque = {"nccl", "labels", "kvScales", "annotations"}  # maps whose keys are user data
+
+    def leaves(d: dict, prefix: str = ""):
+        for key, value in d.items():
+            path = f"{prefix}.{key}" if prefix else key
+            if isinstance(value, dict) and value and key not in opaque:
+                yield from leaves(value, path)
+            else:
+                yield path
+
+    missing = []
+    for path in leaves(values):
+        parts = path.split(".")
+        covered = (
+            f"`{path}`" in table
+            or f"`{path}.*`" in table
+            or any(f"`{'.'.join(parts[:i])}.*`" in table for i in range(1, len(parts)))
+            or (len(parts) > 1 and f"`{'.'.join(parts[:-1])}." in table and f".{parts[-1]}`" in table)
+        )
+        if not covered:
+            missing.append(path)
+    assert not missing, f"values not in k8s/qwen4exp/README.md's table: {missing}"

@@ -133,9 +133,8 @@ def diagnose(facts: CudaFacts, gpus_needed: int) -> str | None:
     if facts.gpu_names:
         found_parts.append(f"GPUs: {', '.join(facts.gpu_names)}")
     found = "found: " + ("; ".join(found_parts) if found_parts else "no NVIDIA driver")
-    geforce = facts.gpu_names is None or any(
-        "geforce" in n.lower() or "rtx" in n.lower() for n in facts.gpu_names
-    )
+    # NVIDIA's forward-compatibility package covers data-center cards only: say so for GeForce.
+    geforce = facts.gpu_names is None or any("geforce" in n.lower() for n in facts.gpu_names)
     upgrade = (
         f"fix: install NVIDIA driver {need[0]} or newer on the host (check with `nvidia-smi` on the host), "
         "then restart the container"

@@ -38,6 +38,8 @@ def test_driver_570_is_too_old_and_named():
     assert "NVIDIA driver >= 580" in msg and "CUDA 13.0" in msg and "2.13.0+cu130" in msg
     assert "supports CUDA up to 12.8" in msg and "via NVML" in msg
     assert "forward compatibility" in msg  # GeForce: no cuda-compat escape hatch
+    datacenter = diagnose(facts(driver_version="570.133.07", gpu_names=("NVIDIA A100-SXM4-80GB",) * 4), 4)
+    assert datacenter is not None and ">= 580" in datacenter and "GeForce" not in datacenter
 
 
 def test_torch_error_alone_gives_the_found_cuda_version():

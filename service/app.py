@@ -25,6 +25,7 @@ from vllm.entrypoints.serve.exception_handling.register import init_exception_ha
 from vllm.entrypoints.serve.tokenize.api_router import router as tokenize_router
 
 from . import http_metrics
+from .body_check import BodyValidation
 from .engine import generate_one_token
 from .errors import ErrorShapeMiddleware, error_body
 from .guards import Admission, BearerAuth, BodyLimit
@@ -139,7 +140,7 @@ def build_app(
     init_exception_handler(app)
 
     # add_middleware: the last added runs first. Order of a request: auth, phase gate, body
-    # limit, admission, route.
+    # limit, body validation, admission, route.
     app.add_middleware(
         Admission,
         paths=GENERATION_ROUTES,
@@ -148,6 +149,7 @@ def build_app(
         retry_after=settings.retry_after_seconds,
         lifecycle=lifecycle,
     )
+    app.add_middleware(BodyValidation)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(LifecycleGate, lifecycle=lifecycle, retry_after=settings.retry_after_seconds)
     keys = settings.keys()

@@ -1,0 +1,80 @@
+"""Refuse request bodies that crash vLLM's request models instead of failing their validation.
+
+Some of vLLM's pydantic ``model_validator(mode="before")`` hooks assume field types before
+pydantic has checked them; e.g. ``{"structured_outputs": false}`` on ``/v1/completions`` raises
+``AttributeError: 'bool' object has no attribute 'get'`` inside ``CompletionRequest``'s validator
+(vLLM 0.32), which FastAPI turns into a 500 and counts as a server error. This middleware
+validates generation bodies with the same models first: a body whose validation raises anything
+but pydantic's ``ValidationError`` is the client's error and gets a 400 here. Valid bodies and
+ordinary validation errors go on to vLLM's routes unchanged (vLLM words those 400s itself).
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import send_error
+
+
+def request_models() -> dict[str, type]:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    return {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+
+
+def validation_crash(model: type, body: bytes) -> str | None:
+    """Why validating ``body`` with ``model`` crashed, or None if it validated or failed cleanly."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None  # not JSON: vLLM's route answers 400 itself
+    if not isinstance(data, dict):
+        return None
+    try:
+        model.model_validate(data)
+    except ValidationError:
+        return None
+    except Exception as exc:  # a validator tripped over a wrongly typed field
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+class BodyValidation:
+    """400 for bodies whose validation would crash (see the module docstring); replays the body."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.models = request_models()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        model = self.models.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if model is None or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        crash = validation_crash(model, body)
+        if crash is not None:
+            await send_error(send, 400, f"Invalid request body: {crash}", "invalid_request")
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

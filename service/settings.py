@@ -110,7 +110,10 @@ class ServiceSettings(BaseSettings):
         30.0, ge=0, description="After SIGTERM, how long in-flight requests may run before exit."
     )
     ready_max_age_seconds: float = Field(
-        30.0, gt=0, description="`/ready` needs a 1-token generation that succeeded within this age."
+        30.0,
+        gt=0,
+        description="`/ready` needs engine progress (a finished generation or a step that processed "
+        "tokens) within this age; when idle it runs a 1-token probe generation.",
     )
     ready_timeout_seconds: float = Field(10.0, gt=0, description="Time limit of `/ready`'s probe generation.")
     chat_template: Path | None = Field(None, description="Jinja chat template overriding the checkpoint's.")

@@ -91,11 +91,17 @@ def vllm_module(checkpoint_module: str) -> str:
 class TensorChecker:
     """Checks checkpoint tensors against the modules vLLM built, and names the tensor on failure."""
 
-    def __init__(self, model: nn.Module, quant_name: str | None) -> None:
+    def __init__(self, model: nn.Module, quant_name: str | None, hf_quant_config: dict | None = None) -> None:
         self.quant_name = quant_name
+        self.hf_quant_config = hf_quant_config if isinstance(hf_quant_config, dict) else None
+        # (checkpoint module, suffix) -> shape, and the value of every ``weight_shape`` tensor
+        self.shapes: dict[tuple[str, str], tuple[int, ...]] = {}
+        self.logical: dict[str, tuple[int, ...]] = {}
         self.quantized = quantized_modules(model)
         self.modules = dict(model.named_modules())
         self.current: tuple[str, tuple[int, ...], torch.dtype] | None = None
+        # quantized vLLM module -> checkpoint module -> tensor suffixes seen
+        self.seen: dict[str, dict[str, set[str]]] = {}
 
     def _param(self, module_name: str, checkpoint_module: str, suffix: str) -> nn.Parameter | None:
         module = self.modules.get(module_name)
@@ -123,13 +129,19 @@ class TensorChecker:
             torch.uint8,
         )
         if not quantized and (suffix in QUANT_SUFFIXES or (suffix == "weight" and narrow)):
-            kind = "a plain bf16 tensor of our model" if owner not in self.modules else "unquantized here"
+            plain = getattr(self.modules.get(owner), "quant_method", None) is None
+            kind = "a plain bf16 tensor of our model" if plain else "unquantized here"
             raise QuantConfigError(
                 f"checkpoint tensor {name} ({tensor.dtype}, {list(tensor.shape)}) is quantized, but "
                 f"{owner} is {kind} (quantization_config: {self.quant_name or 'none'}); either the "
                 "config's targets/ignore list does not cover this module or the module must stay bf16. "
                 "Fix the quantization_config or re-export this module in bf16 (python -m model.quantize)"
             )
+        if quantized:
+            self.seen.setdefault(owner, {}).setdefault(checkpoint_module, set()).add(suffix)
+            self.shapes[(checkpoint_module, suffix)] = tuple(tensor.shape)
+            if suffix == "weight_shape" and tensor.numel() == 2:
+                self.logical[checkpoint_module] = tuple(int(v) for v in tensor.tolist())
         if quantized and suffix in ("weight", "weight_packed", "qweight"):
             param = self._param(owner, checkpoint_module, suffix)
             if param is None:
@@ -163,8 +175,80 @@ class TensorChecker:
                 "fix the config or re-export the checkpoint"
             ) from exc
 
+    def _weight_args(self, module: str) -> dict | None:
+        """The compressed-tensors weight arguments of the first config group targeting ``module``."""
+        qc = self.hf_quant_config
+        if not qc or qc.get("quant_method") != "compressed-tensors":
+            return None
+        for group in qc.get("config_groups", {}).values():
+            for target in group.get("targets", []):
+                hit = (
+                    re.match(target[3:], module) if target.startswith("re:") else target in ("Linear", module)
+                )
+                if hit:
+                    return group.get("weights")
+        return None
+
+    def check_scale_shapes(self) -> None:
+        """Scales must tile the weight the way the config declares (vLLM copies mismatches silently:
+        a MoE scale of half the declared groups loads into the first half of the parameter)."""
+        for (module, suffix), shape in sorted(self.shapes.items()):
+            if suffix != "weight_scale" or len(shape) != 2:
+                continue
+            args = self._weight_args(module)
+            if not args:
+                continue
+            n, k = self.logical.get(module) or self.shapes.get((module, "weight"), (None, None))
+            if n is None:
+                continue
+            strategy = args.get("strategy")
+            if strategy == "group" and args.get("group_size"):
+                want = (n, -(-k // args["group_size"]))
+                how = f"group_size {args['group_size']}"
+            elif strategy == "block" and args.get("block_structure"):
+                bn, bk = args["block_structure"]
+                want = (-(-n // bn), -(-k // bk))
+                how = f"block_structure {[bn, bk]}"
+            elif strategy == "channel":
+                want, how = (n, 1), "one scale per output channel"
+            else:
+                continue
+            if shape != want:
+                raise QuantConfigError(
+                    f"checkpoint tensor {module}.weight_scale has shape {list(shape)}, but quantization_config "
+                    f"({self.quant_name}: {how} over a {n} x {k} weight) needs {list(want)}; the config "
+                    "does not describe these tensors (wrong group size / block size?). Fix the config or "
+                    "re-export the checkpoint"
+                )
+
     def check_all_loaded(self, loaded: set[str]) -> None:
-        """vLLM skips its completeness check for quantized models; missing scales would stay garbage."""
+        """vLLM skips its completeness check for quantized models; missing scales would stay garbage.
+
+        Per parameter (every quantized parameter was written at all) and per checkpoint module: all
+        checkpoint modules feeding one vLLM module (the experts of a MoE layer, q/k/v of a fused
+        projection) carry the same tensors, and a MoE layer has a tensor set for every expert,
+        because a fused parameter counts as loaded as soon as one expert's slice arrived.
+        """
+        self.check_scale_shapes()
+        for owner, modules in self.seen.items():
+            union = set().union(*modules.values())
+            for ckpt, suffixes in sorted(modules.items()):
+                if suffixes != union:
+                    raise QuantConfigError(
+                        f"checkpoint tensors {', '.join(f'{ckpt}.{s}' for s in sorted(union - suffixes))} "
+                        f"are missing: the other modules of {owner} have them (quantization_config: "
+                        f"{self.quant_name}). Re-export the checkpoint"
+                    )
+            experts = getattr(self.quantized[owner], "global_num_experts", None)
+            if isinstance(experts, int) and owner.endswith(".routed_experts"):
+                have = {int(m.rsplit(".", 2)[-2]) for m in modules}
+                gone = sorted(set(range(experts)) - have)
+                if gone:
+                    base = owner.removesuffix(".routed_experts")
+                    raise QuantConfigError(
+                        f"checkpoint has no tensors for experts {gone} of {base} (expected "
+                        f"{base}.<0..{experts - 1}>.*); re-export the checkpoint"
+                    )
         missing = []
         for owner, module in self.quantized.items():
             for pname, param in module.named_parameters(recurse=False):

@@ -162,6 +162,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
             prefix=_join(prefix, "lm_head"),
         )
         self._quant_name = vllm_config.quant_config and vllm_config.quant_config.get_name()
+        self._hf_quant_config = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
         check_must_stay_unquantized(self, self._quant_name)
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
@@ -251,7 +252,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
             if layer.ple is not None
         }
         seen_buffers: set[str] = set()
-        checker = TensorChecker(self, self._quant_name)
+        checker = TensorChecker(self, self._quant_name, self._hf_quant_config)
 
         def route(stream: Iterable[tuple[str, torch.Tensor]]):
             for name, tensor in stream:

@@ -1,0 +1,87 @@
+"""Build our model in a vLLM CPU engine from a checkpoint, load its weights, and report what vLLM built.
+
+Stops right after ``load_weights`` (and our start-up checks in it), before vLLM post-processes the
+weights for a kernel, so it also works where this host has no kernel for the format: that is the
+point, it checks that vLLM's own loaders accept the converter's tensors under our model's
+quantization config (names, shapes, dtypes) and which quantization method every module got.
+
+``--force-int4-moe-backend``: vLLM picks the int4 MoE kernel already in the layer's constructor and
+refuses on hosts without one (x86 without AMX). With the flag the selection returns the CPU int4
+experts class anyway; the on-disk layout vLLM loads does not depend on the backend (compressed-
+tensors checkpoints load N-first whatever the kernel) and the kernel never runs here.
+
+Prints one line ``PROBE_JSON={...}``: ``methods`` (module -> quant method class), ``params``
+(parameter -> [dtype, shape]) and ``loaded``, or ``error`` (type and message) if start-up failed.
+
+``--skip-kernel-check``: skip our start-up check that this host's CPU kernels exist for the format
+(tested on its own), so that loading can be checked anyway.
+
+Usage: python -m tests.quant.load_probe CHECKPOINT [--force-int4-moe-backend] [--skip-kernel-check]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+class _Done(Exception):
+    pass
+
+
+def main() -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # model built in this process
+    checkpoint = sys.argv[1]
+    result: dict = {}
+    from model.vllm_adapter import model as adapter
+
+    original = adapter.Qwen4ExpForCausalLM.load_weights
+
+    def load_weights(self, weights):
+        loaded = original(self, weights)
+        result["loaded"] = sorted(loaded)
+        result["methods"] = {
+            name: type(m.quant_method).__name__
+            for name, m in self.named_modules()
+            if getattr(m, "quant_method", None) is not None
+        }
+        result["params"] = {n: [str(p.dtype), list(p.shape)] for n, p in self.named_parameters()}
+        raise _Done
+
+    adapter.Qwen4ExpForCausalLM.load_weights = load_weights
+    if "--skip-kernel-check" in sys.argv:  # load-only: this host may have no kernel for the format
+        adapter.check_cpu_kernels = lambda quantized: None
+    if "--force-int4-moe-backend" in sys.argv:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt4
+        from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+            compressed_tensors_moe_wna16 as wna16,
+        )
+
+        wna16.select_wna16_moe_backend = lambda **_: (WNA16MoEBackend.CPU, CPUExpertsInt4)
+
+    from vllm import LLM
+
+    try:
+        LLM(
+            model=checkpoint,
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=512,
+            enable_prefix_caching=False,
+        )
+    except _Done:
+        pass
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which asserts on it
+        cause = exc
+        while cause.__cause__ is not None and not isinstance(cause, _Done):
+            cause = cause.__cause__
+        if "loaded" not in result:
+            result["error"] = [type(exc).__name__, str(exc)]
+    print("PROBE_JSON=" + json.dumps(result), flush=True)
+    os._exit(0)  # skip vLLM's shutdown of a half-built engine
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Quantized checkpoints through vLLM's own loaders and our model's quantization threading (CPU).
+
+Each case builds the model in a vLLM CPU engine and loads the checkpoint (``load_probe``): the
+modules the config targets get vLLM's quantized methods with parameters of the format's shapes,
+the modules that must stay bf16 (indexer, gates, GDN a/b, LM head) get unquantized methods by
+name, and every checkpoint tensor is consumed. Broken checkpoints fail at start-up with a message
+naming the tensor. On this host's CPU (AVX2, no AMX) vLLM has no kernel for either format, which
+our start-up check reports instead of a failure at the first request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model.quantize import Plan, quantize_weight, scheme
+from tests.conftest import ROOT
+
+from .conftest import CASES
+
+
+def probe(path, *flags: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_QSA_", "VLLM_PLE_", "QWEN4EXP_"))}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(ROOT / ".cache" / "vllm"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.quant.load_probe", str(path), *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    marker = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE_JSON=")]
+    assert marker, f"probe printed no result:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return json.loads(marker[-1].removeprefix("PROBE_JSON="))
+
+
+def _int4_moe_kernel_here() -> bool:
+    return torch.cpu._is_amx_tile_supported()
+
+
+def _flags(case: str) -> list[str]:
+    _, fmt, scope = CASES[case]
+    flags = ["--skip-kernel-check"]
+    if fmt == "w4a16" and scope != "dense" and not _int4_moe_kernel_here():
+        flags.append("--force-int4-moe-backend")
+    return flags
+
+
+MOE_METHOD = {"w4a16": "CompressedTensorsWNA16MoEMethod", "fp8-block": "CompressedTensorsW8A8Fp8MoEMethod"}
+DENSE = re.compile(
+    r"(qkv_proj|o_proj|in_proj_qkvz|out_proj|shared_expert\.gate_up_proj|shared_expert\.down_proj)$"
+)
+KEEP = re.compile(r"(indexer\.index_qk_proj|in_proj_ba|mlp\.gate|shared_expert_gate|conv1d)$")
+
+
+@pytest.mark.parametrize("case", ["tiny-w4a16", "tiny-fp8", "wide-w4a16", "wide-fp8"])
+def test_vllm_loads_the_checkpoint_into_the_declared_methods(quant_checkpoints, case):
+    preset, fmt, scope = CASES[case]
+    result = probe(quant_checkpoints[case], *_flags(case))
+    assert "error" not in result, result["error"]
+    methods = result["methods"]
+    config = json.loads((quant_checkpoints[preset] / "config.json").read_text())
+    experts = {k: v for k, v in methods.items() if k.endswith("mlp.experts.routed_experts")}
+    assert len(experts) == config["num_hidden_layers"]
+    assert set(experts.values()) == {MOE_METHOD[fmt] if scope != "dense" else "UnquantizedFusedMoEMethod"}
+    for name, method in methods.items():
+        if KEEP.search(name) or name == "lm_head":
+            assert method.startswith("Unquantized"), (name, method)
+        elif DENSE.search(name):
+            assert method.startswith("Unquantized") == (scope == "experts"), (name, method)
+    # Fused expert parameters in the format's shapes: [E, 2I, H/8] int32 codes, [E, 2I, H/g] scales.
+    e, i, h = config["num_experts"], config["moe_intermediate_size"], config["hidden_size"]
+    params = result["params"]
+    w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    qc = json.loads((quant_checkpoints[case] / "config.json").read_text())["quantization_config"]
+    weights = qc["config_groups"]["group_0"]["weights"]
+    if fmt == "w4a16":
+        g = weights["group_size"]
+        assert params[f"{w13}_packed"] == ["torch.int32", [e, 2 * i, h // 8]]
+        assert params[f"{w13}_scale"] == ["torch.bfloat16", [e, 2 * i, h // g]]
+    else:
+        b = weights["block_structure"][0]
+        assert params[w13] == ["torch.float8_e4m3fn", [e, 2 * i, h]]
+        assert params[f"{w13}_scale"] == ["torch.float32", [e, 2 * i // b, h // b]]
+    assert set(params) <= set(result["loaded"]) | {p for p in params if p.endswith("_shape")}
+
+
+# ---- broken checkpoints ----------------------------------------------------------------------
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst, load_file(dst / "model.safetensors"), json.loads((dst / "config.json").read_text())
+
+
+def _save(dst, tensors, config):
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _quantize_into(tensors, module: str, fmt="w4a16", group=64):
+    packed, _ = quantize_weight(
+        tensors.pop(f"{module}.weight"),
+        Plan(fmt, "experts", group, "pow2"),
+        scheme(Plan(fmt, "experts", group, "pow2")),
+    )
+    tensors.update({f"{module}.{k}": v for k, v in packed.items()})
+
+
+def _broken_indexer(src, dst):
+    dst, t, c = _copy(src, dst)
+    _quantize_into(t, "model.layers.3.self_attn.indexer.index_qk_proj")
+    qc = c["quantization_config"]
+    qc["ignore"] = [p for p in qc["ignore"] if "indexer" not in p]
+    qc["config_groups"]["group_0"]["targets"].append(
+        r"re:^model\.layers\.\d+\.self_attn\.indexer\.index_qk_proj$"
+    )
+    return dst, t, c
+
+
+def _broken_group(src, dst):
+    dst, t, c = _copy(src, dst)
+    c["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 32  # tensors: 64
+    return dst, t, c
+
+
+def _missing_scale(src, dst):
+    dst, t, c = _copy(src, dst)
+    del t["model.layers.1.mlp.experts.2.up_proj.weight_scale"]
+    return dst, t, c
+
+
+def _missing_expert(src, dst):
+    dst, t, c = _copy(src, dst)
+    for k in [k for k in t if ".layers.2.mlp.experts.3." in k]:
+        del t[k]
+    return dst, t, c
+
+
+def _quantized_ple_projection(src, dst):
+    dst, t, c = _copy(src, dst)
+    _quantize_into(t, "model.layers.1.ple.key_proj")
+    return dst, t, c
+
+
+def _fp8_gate(src, dst):
+    dst, t, c = _copy(src, dst)
+    t["model.layers.0.mlp.gate.weight"] = t["model.layers.0.mlp.gate.weight"].to(torch.float8_e4m3fn)
+    return dst, t, c
+
+
+def _bf16_fp8_expert(src, dst):
+    dst, t, c = _copy(src, dst)
+    name = "model.layers.0.mlp.experts.1.gate_proj.weight"
+    t[name] = t[name].to(torch.bfloat16)
+    return dst, t, c
+
+
+BROKEN = {
+    # name: (base case, edit, message pattern)
+    "quantized_indexer": (
+        "tiny-w4a16",
+        _broken_indexer,
+        r"model\.layers\.3\.self_attn\.indexer\.index_qk_proj is quantized .* must stay in bf16.*ignore list",
+    ),
+    "wrong_group_size": (
+        "tiny-w4a16",
+        _broken_group,
+        r"checkpoint tensor model\.layers\.0\.mlp\.experts\.0\.\w+_proj\.weight_scale has shape \[\d+, \d\], but "
+        r"quantization_config \(compressed-tensors: group_size 32 over a \d+ x \d+ weight\) needs",
+    ),
+    "missing_scale": (
+        "tiny-w4a16",
+        _missing_scale,
+        r"checkpoint tensors model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight_scale are missing",
+    ),
+    "missing_expert": (
+        "tiny-fp8",
+        _missing_expert,
+        r"no tensors for experts \[3\] of model\.layers\.2\.mlp\.experts",
+    ),
+    "quantized_ple_projection": (
+        "tiny-w4a16",
+        _quantized_ple_projection,
+        r"checkpoint tensor model\.layers\.1\.ple\.key_proj\.weight_\w+ .* is quantized, but "
+        r"model\.layers\.1\.ple\.key_proj is a plain bf16 tensor of our model",
+    ),
+    "fp8_router_gate": (
+        "tiny-fp8",
+        _fp8_gate,
+        r"checkpoint tensor model\.layers\.0\.mlp\.gate\.weight \(torch\.float8_e4m3fn.*is quantized, but "
+        r"model\.layers\.0\.mlp\.gate is unquantized here",
+    ),
+    "bf16_weight_in_fp8_expert": (
+        "tiny-fp8",
+        _bf16_fp8_expert,
+        r"checkpoint tensor model\.layers\.0\.mlp\.experts\.1\.gate_proj\.weight is torch\.bfloat16, but "
+        r"quantization_config \(compressed-tensors\) makes model\.layers\.0\.mlp\.experts\.routed_experts "
+        r"store torch\.float8_e4m3fn",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_quantized_checkpoint_fails_at_start_up_naming_the_tensor(quant_checkpoints, tmp_path, name):
+    base, edit, pattern = BROKEN[name]
+    dst, tensors, config = edit(quant_checkpoints[base], tmp_path / name)
+    _save(dst, tensors, config)
+    result = probe(dst, *_flags(base))
+    assert "error" in result, f"{name}: start-up should have failed"
+    kind, message = result["error"]
+    assert "QuantConfigError" in kind or "QuantConfigError" in message, result["error"]
+    assert re.search(pattern, message, re.S), message
+
+
+# ---- what this host's CPU can run --------------------------------------------------------------
+
+
+def test_int4_linears_without_the_cpu_op_are_refused_at_start_up(quant_checkpoints):
+    if hasattr(torch.ops._C, "cpu_gemm_wna16") or _cpu_library_has("cpu_gemm_wna16"):
+        pytest.skip("this host's vLLM CPU library has cpu_gemm_wna16: the parity test runs instead")
+    result = probe(quant_checkpoints["tiny-w4a16-dense"])
+    assert "error" in result
+    assert re.search(
+        r"model\.layers\.\d+\.\S+: vLLM chose CPUWNA16LinearKernel, but its op torch\.ops\._C\.cpu_gemm_wna16 "
+        r"is not in the vLLM CPU library",
+        result["error"][1],
+    ), result["error"]
+
+
+def test_fp8_experts_without_amx_are_refused_at_start_up(quant_checkpoints):
+    if torch.cpu._is_amx_tile_supported():
+        pytest.skip("AMX host: vLLM's CPU FP8 MoE can run")
+    result = probe(quant_checkpoints["tiny-fp8"])
+    assert "error" in result
+    assert re.search(
+        r"routed_experts: FP8 experts .* need AMX tiles .*cpu_moe\.py:456-460", result["error"][1]
+    ), result["error"]
+
+
+def _cpu_library_has(op: str) -> bool:
+    """Whether the vLLM CPU library this host loads registers ``op`` (without importing vLLM here)."""
+    code = (
+        "import torch, vllm.platforms as p; p.current_platform.import_kernels(); "
+        f"print(hasattr(torch.ops._C, {op!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    return out.stdout.strip().endswith("True")

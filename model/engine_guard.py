@@ -23,14 +23,15 @@ sampling of one step) are handled; scheduler or output-processing errors still e
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import contextmanager
+
+from model import envs
 
 log = logging.getLogger("qwen4exp.engine_guard")
 
-FATAL_FILE_ENV = "QWEN4EXP_ENGINE_FATAL_FILE"
-FAULT_TOKEN_ENV = "QWEN4EXP_FAULT_INJECT_TOKEN"
-FATAL_FAULT_TOKEN_ENV = "QWEN4EXP_FAULT_INJECT_FATAL_TOKEN"
+FATAL_FILE_ENV = envs.ENGINE_FATAL_FILE
+FAULT_TOKEN_ENV = envs.FAULT_INJECT_TOKEN
+FATAL_FAULT_TOKEN_ENV = envs.FAULT_INJECT_FATAL_TOKEN
 MAX_CONSECUTIVE_FAILURES = 3
 
 # Text of failures after which the process or device must not be trusted again.
@@ -68,8 +69,8 @@ def step_request_ids(scheduler_output) -> list[str]:
 
 
 def write_fatal_reason(reason: str) -> None:
-    path = os.environ.get(FATAL_FILE_ENV)
-    if not path:
+    path = envs.read(FATAL_FILE_ENV)
+    if path is None:
         return
     try:
         with open(path, "w") as f:
@@ -164,11 +165,10 @@ def fault_injector():
     """
     faults = {}
     for env, fatal in ((FAULT_TOKEN_ENV, False), (FATAL_FAULT_TOKEN_ENV, True)):
-        if os.environ.get(env):
-            faults[int(os.environ[env])] = fatal
-            log.warning(
-                "%s=%s: steps containing this token fail on purpose (tests only)", env, os.environ[env]
-            )
+        token_id = envs.read(env)
+        if token_id is not None:
+            faults[token_id] = fatal
+            log.warning("%s=%s: steps containing this token fail on purpose (tests only)", env, token_id)
     if not faults:
         return None
 

@@ -1,10 +1,12 @@
 """Service configuration: environment variables only, validated before anything heavy is imported.
 
-Two groups: ``QWEN4EXP_*`` configures this front end and the engine it starts; the model's own
-``VLLM_QSA_*``/``VLLM_PLE_*`` variables are read by the model code in the worker processes (which
-inherit the environment), so here they get only a basic form check, early, with a clear message,
-instead of failing minutes later inside a worker. This module must not import vLLM or
-prometheus_client: the entry point validates first and exits fast on a bad value.
+Two groups: ``QWEN4EXP_*`` configures this front end and the engine it starts (pydantic-settings
+below); the model's own variables (``VLLM_QSA_*``, ``VLLM_PLE_*`` and the engine guard's) are
+declared in ``model.envs`` and read by the model code in the worker processes (which inherit the
+environment). Here they are validated with that module's own parsers and checks, early, so a bad
+value fails in a second with the same message the worker would give, instead of minutes later.
+This module must not import vLLM or prometheus_client: the entry point validates first and exits
+fast on a bad value.
 
 ``python -m service.settings`` prints the variable table (markdown) for the README.
 """
@@ -14,10 +16,13 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from types import SimpleNamespace
+from typing import Any, Literal
 
-from pydantic import BeforeValidator, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from model import envs
 
 PREFIX = "QWEN4EXP_"
 
@@ -47,13 +52,6 @@ FIXES: dict[str, str] = {
     "ready_timeout_seconds": "use a positive number of seconds",
     "chat_template": "point it at a readable Jinja template file, or leave it unset",
     "log_level": "use debug, info, warning or error",
-    "VLLM_QSA_KV_SCALES": "point it at a readable KV-scales file, or unset it",
-    "VLLM_QSA_KV_COLLECT": "point it at an existing writable directory, or unset it",
-    "VLLM_QSA_KV_SCALES_STRICT": "use 1 or 0 (true/false, yes/no, on/off), or unset it",
-    "VLLM_QSA_KV_COLLECT_INTERVAL": "use a positive number of seconds, or unset it",
-    "VLLM_QSA_KV_CLIP_COUNT": "use a positive number of seconds, or unset it",
-    "VLLM_PLE_CPU_OFFLOAD": "use 1 or 0 (true/false, yes/no, on/off), or unset it",
-    "VLLM_PLE_PREFETCH": "use 1 or 0 (true/false, yes/no, on/off), or unset it",
 }
 
 
@@ -84,11 +82,15 @@ class ServiceSettings(BaseSettings):
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may use (ignored on CPU)."
     )
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs/compilation (always on for CPU).")
+    enforce_eager: bool = Field(
+        False, description="Disable CUDA graphs/compilation (always on for CPU; needed for KV calibration)."
+    )
     max_num_seqs: int | None = Field(
         None, ge=1, description="Engine batch size (sequences per step); default: vLLM's."
     )
-    host: str = Field("0.0.0.0", min_length=1, description="Address to listen on.")
+    host: str = Field(
+        "0.0.0.0", min_length=1, description="Address to listen on (`scripts/serve.sh` uses 127.0.0.1)."
+    )
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
     api_keys: str | None = Field(
         None,
@@ -107,7 +109,7 @@ class ServiceSettings(BaseSettings):
     retry_after_seconds: int = Field(1, ge=1, description="`Retry-After` sent with 429 and 503.")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body; larger: 413.")
     drain_seconds: float = Field(
-        30.0, ge=0, description="After SIGTERM, how long in-flight requests may run before exit."
+        30.0, ge=0, description="After SIGTERM, how long in-flight requests may run before exit (0)."
     )
     ready_max_age_seconds: float = Field(
         30.0,
@@ -169,91 +171,25 @@ class ServiceSettings(BaseSettings):
         return keys
 
 
-def _flag(value: Any) -> Any:
-    """The booleans the model code accepts (no wider: pydantic would also take e.g. ``t`` or ``y``)."""
-    if isinstance(value, str):
-        v = value.strip().lower()
-        if v in ("1", "true", "yes", "on"):
-            return True
-        if v in ("0", "false", "no", "off"):
-            return False
-        raise ValueError("not a boolean (use 1/0, true/false, yes/no, on/off)")
-    return value
-
-
-Flag = Annotated[bool | None, BeforeValidator(_flag)]
-Seconds = Annotated[float | None, Field(gt=0, allow_inf_nan=False)]
-
-
-class ModelEnv(BaseSettings):
-    """The model's own variables; only their form is checked here (the model code validates deeper)."""
-
-    model_config = SettingsConfigDict(
-        env_prefix="", extra="ignore", case_sensitive=True, env_ignore_empty=True
-    )
-
-    VLLM_QSA_KV_SCALES: Path | None = Field(
-        None, description="JSON scale sidecar of the FP8 QSA KV cache (a readable file); FP8 cache only."
-    )
-    VLLM_QSA_KV_SCALES_STRICT: Flag = Field(
-        None,
-        description="Boolean; model default 1: every QSA layer must be in the sidecar (0: missing ones use 1.0).",
-    )
-    VLLM_QSA_KV_COLLECT: Path | None = Field(
-        None, description="Existing writable directory for KV calibration dumps (running absmax); eager only."
-    )
-    VLLM_QSA_KV_COLLECT_INTERVAL: Seconds = Field(
-        None, description="Seconds between calibration dumps (positive; model default 30)."
-    )
-    VLLM_QSA_KV_CLIP_COUNT: Seconds = Field(
-        None, description="Seconds between reads of the FP8 clip counters (positive); FP8 cache only."
-    )
-    VLLM_PLE_CPU_OFFLOAD: Flag = Field(
-        None, description="Boolean; model default 1: PLE tables in pinned host memory (0: in GPU memory)."
-    )
-    VLLM_PLE_PREFETCH: Flag = Field(
-        None, description="Boolean: start PLE row lookups early (model default: on with CUDA only)."
-    )
-
-    @field_validator("VLLM_QSA_KV_SCALES")
-    @classmethod
-    def _scales(cls, value: Path | None) -> Path | None:
-        if value is not None:
-            require_readable_file(value)
-        return value
-
-    @field_validator("VLLM_QSA_KV_COLLECT")
-    @classmethod
-    def _collect(cls, value: Path | None) -> Path | None:
-        if value is not None:
-            if not value.is_dir():
-                raise ValueError(f"{value} is not an existing directory")
-            if not os.access(value, os.W_OK | os.X_OK):
-                raise ValueError(f"{value} is not writable")
-        return value
-
-
 def require_readable_file(path: Path) -> None:
-    if not path.is_file():
-        raise ValueError(f"{path} is not an existing file")
-    if not os.access(path, os.R_OK):
-        raise ValueError(f"{path} is not readable")
+    if (why := envs.readable_file_problem(path)) is not None:
+        raise ValueError(why)
 
 
 class SettingsError(Exception):
     """A configuration problem; ``str()`` is the operator-facing message, one line per problem."""
 
 
-def _env_name(field: str, prefixed: bool) -> str:
-    return PREFIX + field.upper() if prefixed else field
+def _env_name(field: str) -> str:
+    return PREFIX + field.upper()
 
 
-def _describe(exc: ValidationError, prefixed: bool) -> list[str]:
+def _describe(exc: ValidationError) -> list[str]:
     lines = []
     for err in exc.errors():
         field = str(err["loc"][0]) if err["loc"] else ""
-        name = _env_name(field, prefixed)
-        raw = os.environ.get(name) if not prefixed else _lookup_ci(name)
+        name = _env_name(field)
+        raw = _lookup_ci(name)
         got = f"={raw!r}" if raw is not None else " (not set)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "missing":
@@ -272,23 +208,25 @@ def _lookup_ci(name: str) -> str | None:
 
 def unknown_prefixed_variables() -> list[str]:
     """``QWEN4EXP_*`` variables that configure nothing (typos); reported as a warning."""
-    known = {PREFIX + f.upper() for f in ServiceSettings.model_fields}
+    known = {PREFIX + f.upper() for f in ServiceSettings.model_fields} | set(envs.BY_NAME)
     ignored = {"QWEN4EXP_TEST_CHECKPOINTS"}  # read by the test suite, not by the service
     return sorted(k for k in os.environ if k.upper().startswith(PREFIX) and k.upper() not in known | ignored)
 
 
-def load() -> tuple[ServiceSettings, ModelEnv]:
-    """Read and validate every variable; raise ``SettingsError`` listing all problems at once."""
+def load() -> tuple[ServiceSettings, SimpleNamespace]:
+    """Read and validate every variable; raise ``SettingsError`` listing all problems at once.
+
+    The second value holds the model's variables by name, parsed by ``model.envs`` (defaults
+    filled in), exactly as the worker processes will read them.
+    """
     problems: list[str] = []
-    service = model_env = None
+    service = None
     try:
         service = ServiceSettings()  # type: ignore[call-arg]
     except ValidationError as exc:
-        problems += _describe(exc, prefixed=True)
-    try:
-        model_env = ModelEnv()
-    except ValidationError as exc:
-        problems += _describe(exc, prefixed=False)
+        problems += _describe(exc)
+    model_env, model_problems = envs.validate()
+    problems += model_problems
     if service is not None:
         try:
             service.keys()
@@ -296,25 +234,22 @@ def load() -> tuple[ServiceSettings, ModelEnv]:
             problems.append(f"{PREFIX}API_KEYS_FILE: cannot read it ({exc}); fix: {FIXES['api_keys_file']}")
     if problems:
         raise SettingsError("\n".join(problems))
-    assert service is not None and model_env is not None
+    assert service is not None
     return service, model_env
 
 
 def markdown_table() -> str:
     """The README table: one row per variable, generated from the fields so it cannot drift."""
     rows = ["| Variable | Default | Meaning |", "|---|---|---|"]
-    for cls, prefixed in ((ServiceSettings, True), (ModelEnv, False)):
-        for name, field in cls.model_fields.items():
-            if field.is_required():
-                default = "required"
-            elif field.default is None:
-                default = "unset"
-            else:
-                default = (
-                    f"`{str(field.default).lower() if isinstance(field.default, bool) else field.default}`"
-                )
-            rows.append(f"| `{_env_name(name, prefixed)}` | {default} | {field.description} |")
-    return "\n".join(rows)
+    for name, field in ServiceSettings.model_fields.items():
+        if field.is_required():
+            default = "required"
+        elif field.default is None:
+            default = "unset"
+        else:
+            default = f"`{str(field.default).lower() if isinstance(field.default, bool) else field.default}`"
+        rows.append(f"| `{_env_name(name)}` | {default} | {field.description} |")
+    return "\n".join(rows + envs.markdown_rows())
 
 
 if __name__ == "__main__":

@@ -22,22 +22,19 @@ import contextlib
 import mmap
 import os
 import threading
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
 
+from model import envs
 from model.kernels import ple_gather as _pg
 from model.ops.ple_tables import FORMATS, PleTable, fp32_exact, lookup_raw_ref, lookup_ref, row_shapes
 
 StorageMode = Literal["device", "pinned"]
 
-CPU_OFFLOAD_ENV = "VLLM_PLE_CPU_OFFLOAD"
-"""1 (default): PLE tables in host memory ("pinned" storage); 0: on the compute device."""
-PREFETCH_ENV = "VLLM_PLE_PREFETCH"
-"""1: start each PLE layer's lookup one decoder layer early; default on with CUDA, off on CPU."""
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+CPU_OFFLOAD_ENV = envs.PLE_CPU_OFFLOAD
+PREFETCH_ENV = envs.PLE_PREFETCH
 
 # Side-stream prefetches use at most max(8, SM count / this) programs; see PinnedHostPleStorage.
 PREFETCH_SM_DIVISOR = 16
@@ -834,47 +831,25 @@ def release_file_pages(t: torch.Tensor) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Environment switches
+# Environment switches (declared, parsed and documented in model.envs)
 # --------------------------------------------------------------------------------------------
 
 
-def parse_env_flag(name: str, value: str | None) -> bool | None:
-    """``None`` if unset/empty, else the boolean; ValueError naming the variable if malformed.
-
-    Strict on purpose: a typo such as ``VLLM_PLE_CPU_OFFLOAD=of`` must stop start-up rather than
-    silently pick a mode that needs tens of GiB more GPU memory.
-    """
-    if value is None or value.strip() == "":
-        return None
-    v = value.strip().lower()
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise ValueError(
-        f"{name}={value!r} is not a valid value: use 1/0 (also true/false, yes/no, on/off), "
-        "or leave it unset for the default"
-    )
-
-
-def storage_mode_from_env(environ: dict[str, str] | None = None) -> StorageMode:
+def storage_mode_from_env(environ: Mapping[str, str] | None = None) -> StorageMode:
     """The PLE storage mode selected by ``VLLM_PLE_CPU_OFFLOAD`` (default: on, i.e. ``"pinned"``).
 
     On CUDA, ``"pinned"`` keeps tables in page-locked host memory read through UVA (start-up
     fails if the GPU cannot); ``"device"`` puts them in GPU memory. On vLLM's CPU build both
     keep them in ordinary RAM and look rows up with torch; only the storage class differs.
     """
-    env = os.environ if environ is None else environ
-    flag = parse_env_flag(CPU_OFFLOAD_ENV, env.get(CPU_OFFLOAD_ENV))
-    return "device" if flag is False else "pinned"
+    return "pinned" if envs.read(CPU_OFFLOAD_ENV, environ) else "device"
 
 
-def prefetch_from_env(cuda: bool, environ: dict[str, str] | None = None) -> bool:
+def prefetch_from_env(cuda: bool, environ: Mapping[str, str] | None = None) -> bool:
     """Whether PLE lookups are started early (``VLLM_PLE_PREFETCH``; default: only with CUDA).
 
     On CPU a "prefetch" runs synchronously at the earlier point (there is no side stream); it is
     off by default there and can be switched on to exercise the same code path in tests.
     """
-    env = os.environ if environ is None else environ
-    flag = parse_env_flag(PREFETCH_ENV, env.get(PREFETCH_ENV))
+    flag = envs.read(PREFETCH_ENV, environ)
     return cuda if flag is None else flag

@@ -4,33 +4,28 @@ Everything is parsed once per worker, when the first QSA layer is built, and eve
 value raises ``QSAKVConfigError``: a scale file or counter interval that is silently ignored would
 change numerics or hide clipping in production, so the server must not start instead.
 
-| variable | meaning |
-| --- | --- |
-| ``VLLM_QSA_KV_SCALES`` | path of the JSON scale sidecar (see ``model.qsa_kv.sidecar``); FP8 cache only |
-| ``VLLM_QSA_KV_SCALES_STRICT`` | ``1`` (default): every QSA layer of the model must be listed; ``0``: missing layers run at 1.0 |
-| ``VLLM_QSA_KV_COLLECT`` | directory for calibration dumps (running absmax of K and V); eager mode only |
-| ``VLLM_QSA_KV_COLLECT_INTERVAL`` | seconds between periodic calibration dumps (default 30) |
-| ``VLLM_QSA_KV_CLIP_COUNT`` | seconds between reads of the on-device clip counters; FP8 cache only |
+The variables themselves (parsers, defaults, docs) are declared in ``model.envs``, which the
+service validates at start-up with the same parsers and checks.
 """
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-ENV_SCALES = "VLLM_QSA_KV_SCALES"
-ENV_SCALES_STRICT = "VLLM_QSA_KV_SCALES_STRICT"
-ENV_COLLECT = "VLLM_QSA_KV_COLLECT"
-ENV_COLLECT_INTERVAL = "VLLM_QSA_KV_COLLECT_INTERVAL"
-ENV_CLIP_COUNT = "VLLM_QSA_KV_CLIP_COUNT"
+from model import envs
+
+ENV_SCALES = envs.QSA_KV_SCALES
+ENV_SCALES_STRICT = envs.QSA_KV_SCALES_STRICT
+ENV_COLLECT = envs.QSA_KV_COLLECT
+ENV_COLLECT_INTERVAL = envs.QSA_KV_COLLECT_INTERVAL
+ENV_CLIP_COUNT = envs.QSA_KV_CLIP_COUNT
 ALL_ENV = (ENV_SCALES, ENV_SCALES_STRICT, ENV_COLLECT, ENV_COLLECT_INTERVAL, ENV_CLIP_COUNT)
 
-DEFAULT_COLLECT_INTERVAL_S = 30.0
+DEFAULT_COLLECT_INTERVAL_S = envs.DEFAULT_COLLECT_INTERVAL_S
 
 # Storage formats of a QSA layer's K/V: the model dtype as is, or E4M3 codes in uint8.
 NATIVE = "native"
@@ -63,30 +58,6 @@ def resolve_kv_format(cache_dtype: str, model_dtype: torch.dtype) -> str:
     )
 
 
-def _positive_seconds(env: Mapping[str, str], name: str, default: float | None) -> float | None:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise QSAKVConfigError(f"{name}={raw!r}: must be a number of seconds (e.g. 10 or 0.5)") from None
-    if not math.isfinite(value) or value <= 0:
-        raise QSAKVConfigError(f"{name}={raw!r}: must be a finite number of seconds > 0")
-    return value
-
-
-def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise QSAKVConfigError(f"{name}={raw!r}: must be 1 or 0 (true/false)")
-
-
 @dataclass(frozen=True)
 class QSAKVSettings:
     """The parsed ``VLLM_QSA_KV_*`` variables (``None`` = feature off)."""
@@ -99,18 +70,17 @@ class QSAKVSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> QSAKVSettings:
-        env = os.environ if env is None else env
-        scales = env.get(ENV_SCALES, "").strip()
-        collect = env.get(ENV_COLLECT, "").strip()
-        interval = _positive_seconds(env, ENV_COLLECT_INTERVAL, DEFAULT_COLLECT_INTERVAL_S)
-        assert interval is not None
-        return cls(
-            scales_path=Path(scales) if scales else None,
-            strict=_flag(env, ENV_SCALES_STRICT, True),
-            collect_dir=Path(collect) if collect else None,
-            collect_interval_s=interval,
-            clip_interval_s=_positive_seconds(env, ENV_CLIP_COUNT, None),
-        )
+        """Read the variables through ``model.envs`` (one parser for the model and the service)."""
+        try:
+            return cls(
+                scales_path=envs.read(ENV_SCALES, env),
+                strict=envs.read(ENV_SCALES_STRICT, env),
+                collect_dir=envs.read(ENV_COLLECT, env),
+                collect_interval_s=envs.read(ENV_COLLECT_INTERVAL, env),
+                clip_interval_s=envs.read(ENV_CLIP_COUNT, env),
+            )
+        except envs.EnvError as exc:
+            raise QSAKVConfigError(str(exc)) from None
 
     def check_against(self, kv_format: str, eager: bool) -> None:
         """Refuse combinations that cannot mean what the operator asked for."""
@@ -131,10 +101,6 @@ class QSAKVSettings:
             )
         if self.collect_dir is not None:
             try:
-                self.collect_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise QSAKVConfigError(
-                    f"{ENV_COLLECT}={self.collect_dir}: cannot create directory: {exc}"
-                ) from None
-            if not os.access(self.collect_dir, os.W_OK):
-                raise QSAKVConfigError(f"{ENV_COLLECT}={self.collect_dir}: directory is not writable")
+                envs.prepare_collect_dir(self.collect_dir)
+            except envs.EnvError as exc:
+                raise QSAKVConfigError(str(exc)) from None

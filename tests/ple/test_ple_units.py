@@ -20,7 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model.ops.ple_storage import parse_env_flag, prefetch_from_env, storage_mode_from_env
+from model.envs import parse_flag
+from model.ops.ple_storage import prefetch_from_env, storage_mode_from_env
 from model.ops.ple_tables import (
     EtpCollectives,
     dequantize_rows,
@@ -70,7 +71,7 @@ def test_prefetch_env_defaults_to_cuda_only():
     assert prefetch_from_env(cuda=False, environ={"VLLM_PLE_PREFETCH": "1"}) is True
     assert prefetch_from_env(cuda=True, environ={"VLLM_PLE_PREFETCH": "0"}) is False
     with pytest.raises(ValueError, match="VLLM_PLE_PREFETCH"):
-        parse_env_flag("VLLM_PLE_PREFETCH", "sometimes")
+        parse_flag("VLLM_PLE_PREFETCH", "sometimes")
 
 
 def test_table_format_from_config():

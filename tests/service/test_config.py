@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from model import envs
 from service import settings as settings_mod
 from tests.conftest import ROOT
 
@@ -143,8 +144,54 @@ def test_readme_table_lists_every_variable() -> None:
     table = settings_mod.markdown_table()
     for name in settings_mod.ServiceSettings.model_fields:
         assert f"`QWEN4EXP_{name.upper()}`" in table
-    for name in settings_mod.ModelEnv.model_fields:
-        assert f"`{name}`" in table
+    for var in envs.VARIABLES:
+        assert f"`{var.name}`" in table
+
+
+def test_readme_table_equals_the_generated_one() -> None:
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- env-table:start", "<!-- env-table:end -->"
+    assert start in readme and end in readme, "README.md lost its env-table markers"
+    body = readme.split(start, 1)[1].split("\n", 1)[1].split(end, 1)[0].strip()
+    assert body == settings_mod.markdown_table(), (
+        "README env table is stale: paste `python -m service.settings`"
+    )
+
+
+def test_model_variables_are_validated_by_the_model_parsers(monkeypatch, tmp_path: Path) -> None:
+    """The service's verdict on a model variable is the model's own: same parser, same message."""
+    monkeypatch.setenv("VLLM_PLE_PREFETCH", "y")
+    monkeypatch.setenv("VLLM_QSA_KV_COLLECT_INTERVAL", "0")
+    _, problems = envs.validate()
+    for name, raw in (("VLLM_PLE_PREFETCH", "y"), ("VLLM_QSA_KV_COLLECT_INTERVAL", "0")):
+        with pytest.raises(envs.EnvError) as model_error:
+            envs.read(name)
+        (line,) = [p for p in problems if p.startswith(name)]
+        assert line.startswith(str(model_error.value) + "; fix: "), (line, raw)
+
+
+def test_collect_dir_missing_but_creatable_is_accepted_uncreatable_refused(
+    monkeypatch, tmp_path: Path
+) -> None:
+    """Service and model agree on VLLM_QSA_KV_COLLECT: a creatable directory passes (the worker
+    creates it), an uncreatable one is refused by both with the same message."""
+    creatable = tmp_path / "a" / "b"
+    monkeypatch.setenv("VLLM_QSA_KV_COLLECT", str(creatable))
+    values, problems = envs.validate()
+    assert not [p for p in problems if p.startswith("VLLM_QSA_KV_COLLECT")]
+    assert values.VLLM_QSA_KV_COLLECT == creatable and not creatable.exists()  # checked, not created
+    envs.prepare_collect_dir(creatable)
+    assert creatable.is_dir()
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("VLLM_QSA_KV_COLLECT", str(blocker / "sub"))
+    _, problems = envs.validate()
+    (line,) = [p for p in problems if p.startswith("VLLM_QSA_KV_COLLECT")]
+    assert "cannot create directory" in line and "fix:" in line
+    with pytest.raises(envs.EnvError) as model_error:
+        envs.prepare_collect_dir(blocker / "sub")
+    assert str(model_error.value) == line
 
 
 def test_device_and_engine_configuration_are_checked_before_serving(model_dir: str) -> None:

@@ -1,0 +1,283 @@
+"""Every environment variable the model code reads: name, parser, default and documentation.
+
+Why one module: the variables used to be parsed in three places with three boolean parsers that
+disagreed (the service refused a missing ``VLLM_QSA_KV_COLLECT`` directory that the model would
+have created). Now the model reads each variable through :func:`read`, the service validates the
+same declarations at start-up through :func:`validate`, and the README's table is generated from
+:data:`VARIABLES` (``python -m service.settings``), so parsing, checks and docs cannot drift.
+
+Two stages, on purpose:
+
+* ``parse``: the form of the value (a boolean, positive seconds, a token id, a path). Done every
+  time the model reads a variable.
+* ``check``: what the value points at (a readable file, a creatable directory). The service runs
+  it at start-up so a typo fails in a second; the model runs the same check right before it uses
+  the path (:func:`prepare_collect_dir`), so both refuse the same values with the same message.
+
+``VLLM_QSA_KV_COLLECT``: a missing directory is created (by the worker; the service only checks
+that it can be created: its nearest existing ancestor is a writable directory). An uncreatable
+or unwritable one is refused by both with the message of :func:`collect_dir_problem`.
+
+This module imports only the standard library: the service imports it before vLLM or torch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class EnvError(ValueError):
+    """A malformed model environment variable; the message starts with ``NAME=value``."""
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One variable: ``parse(name, raw)`` turns a non-empty raw string into a value or raises
+    :class:`EnvError`; ``check(name, value)`` returns a problem text or None (service start-up)."""
+
+    name: str
+    parse: Callable[[str, str], Any]
+    default: Any
+    default_doc: str  # the README's "Default" cell
+    doc: str  # the README's "Meaning" cell
+    fix: str  # how to fix a bad value, shown after the problem
+    check: Callable[[Any], str | None] | None = None
+
+
+# ---- parsers ------------------------------------------------------------------------------------
+
+
+def parse_flag(name: str, raw: str) -> bool:
+    """1/0, true/false, yes/no, on/off (any case). Strict on purpose: ``VLLM_PLE_CPU_OFFLOAD=of``
+    must stop start-up rather than silently pick a mode that needs tens of GiB more GPU memory."""
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise EnvError(
+        f"{name}={raw!r} is not a valid value: use 1/0 (also true/false, yes/no, on/off), "
+        "or leave it unset for the default"
+    )
+
+
+def parse_positive_seconds(name: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise EnvError(f"{name}={raw!r}: must be a number of seconds (e.g. 10 or 0.5)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise EnvError(f"{name}={raw!r}: must be a finite number of seconds > 0")
+    return value
+
+
+def parse_path(name: str, raw: str) -> Path:
+    return Path(raw.strip())
+
+
+def parse_token_id(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise EnvError(f"{name}={raw!r}: must be a token id (an integer >= 0)") from None
+    if value < 0:
+        raise EnvError(f"{name}={raw!r}: must be a token id (an integer >= 0)")
+    return value
+
+
+# ---- checks (what a path points at) -------------------------------------------------------------
+
+
+def readable_file_problem(path: Path) -> str | None:
+    if not path.is_file():
+        return f"{path} is not an existing file"
+    if not os.access(path, os.R_OK):
+        return f"{path} is not readable"
+    return None
+
+
+def collect_dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be the calibration directory, or None (it exists writable, or can be
+    created: its nearest existing ancestor is a writable directory). Creates nothing."""
+    if path.exists():
+        if not path.is_dir():
+            return f"cannot create directory: {path} exists and is not a directory"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"directory {path} is not writable"
+        return None
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"cannot create directory: {ancestor} is not a directory"
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        return f"cannot create directory: {ancestor} is not writable"
+    return None
+
+
+# ---- the variables -------------------------------------------------------------------------------
+
+QSA_KV_SCALES = "VLLM_QSA_KV_SCALES"
+QSA_KV_SCALES_STRICT = "VLLM_QSA_KV_SCALES_STRICT"
+QSA_KV_COLLECT = "VLLM_QSA_KV_COLLECT"
+QSA_KV_COLLECT_INTERVAL = "VLLM_QSA_KV_COLLECT_INTERVAL"
+QSA_KV_CLIP_COUNT = "VLLM_QSA_KV_CLIP_COUNT"
+PLE_CPU_OFFLOAD = "VLLM_PLE_CPU_OFFLOAD"
+PLE_PREFETCH = "VLLM_PLE_PREFETCH"
+ENGINE_FATAL_FILE = "QWEN4EXP_ENGINE_FATAL_FILE"
+FAULT_INJECT_TOKEN = "QWEN4EXP_FAULT_INJECT_TOKEN"
+FAULT_INJECT_FATAL_TOKEN = "QWEN4EXP_FAULT_INJECT_FATAL_TOKEN"
+
+DEFAULT_COLLECT_INTERVAL_S = 30.0
+
+VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar(
+        QSA_KV_SCALES,
+        parse_path,
+        None,
+        "unset",
+        "JSON sidecar of static per-layer FP8 K/V scales; FP8 cache only (with a BF16 cache start-up "
+        "fails). Invalid content stops start-up naming the file, layer and field. An FP8 cache without "
+        'it runs at scale 1.0 with an "UNCALIBRATED FP8 KV CACHE" warning per layer.',
+        "point it at a readable KV-scales file, or unset it",
+        readable_file_problem,
+    ),
+    EnvVar(
+        QSA_KV_SCALES_STRICT,
+        parse_flag,
+        True,
+        "`1`",
+        "`1`: every QSA layer of the whole model must be in the sidecar (also layers another pipeline "
+        "stage owns). `0`: missing layers run at 1.0 with a warning. Unknown layers are always an error.",
+        "use 1 or 0 (true/false, yes/no, on/off), or unset it",
+    ),
+    EnvVar(
+        QSA_KV_COLLECT,
+        parse_path,
+        None,
+        "unset",
+        "Calibration directory (created if missing): running absmax of pre-quantisation K and V per "
+        "layer on the device, dumped as `qsa_kv_absmax_dp<d>_pp<p>_tp<t>.json` periodically and at "
+        "exit (atomic). Needs eager mode, else start-up fails.",
+        "point it at a writable directory (or one that can be created), or unset it",
+        collect_dir_problem,
+    ),
+    EnvVar(
+        QSA_KV_COLLECT_INTERVAL,
+        parse_positive_seconds,
+        DEFAULT_COLLECT_INTERVAL_S,
+        "`30`",
+        "Seconds between calibration dumps (> 0).",
+        "use a positive number of seconds, or unset it",
+    ),
+    EnvVar(
+        QSA_KV_CLIP_COUNT,
+        parse_positive_seconds,
+        None,
+        "unset",
+        "Seconds between reads of the device-side FP8 clip counters (FP8 cache only); warns on new "
+        "clips, heartbeat at most once a minute, feeds `qwen4exp_qsa_kv_clipped_total`.",
+        "use a positive number of seconds, or unset it",
+    ),
+    EnvVar(
+        PLE_CPU_OFFLOAD,
+        parse_flag,
+        True,
+        "`1`",
+        "`1`: each rank's PLE rows sit in page-locked host memory and the GPU gathers them through "
+        "unified addressing with the Triton kernel; start-up fails (naming `VLLM_PLE_CPU_OFFLOAD=0` and "
+        "the GPU memory needed) if the GPU cannot read pinned memory. `0`: tables in GPU memory. On "
+        "vLLM's CPU build both keep the tables in RAM with the torch path (only the `mode` metric label "
+        "changes). Accepts 1/0, true/false, yes/no, on/off.",
+        "use 1 or 0 (true/false, yes/no, on/off), or unset it",
+    ),
+    EnvVar(
+        PLE_PREFETCH,
+        parse_flag,
+        None,
+        "`1` with CUDA, `0` on CPU",
+        "`1`: every PLE layer's rows are hashed at the start of the forward and each layer's gather "
+        "starts on a side stream just before the preceding decoder layer; buffers are reserved at model "
+        "construction, before graph capture.",
+        "use 1 or 0 (true/false, yes/no, on/off), or unset it",
+    ),
+    EnvVar(
+        ENGINE_FATAL_FILE,
+        parse_path,
+        None,
+        "set by the service",
+        "Internal: the file where the engine guard writes why the engine core stopped; the service "
+        "sets it for its engine and names the reason when it exits.",
+        "leave it unset: the service sets it",
+    ),
+    EnvVar(
+        FAULT_INJECT_TOKEN,
+        parse_token_id,
+        None,
+        "unset",
+        "Tests only: a model step whose input contains this token id fails (recoverable); read at "
+        "model construction.",
+        "use a token id (an integer >= 0), or unset it (always, in deployments)",
+    ),
+    EnvVar(
+        FAULT_INJECT_FATAL_TOKEN,
+        parse_token_id,
+        None,
+        "unset",
+        "Tests only: a model step whose input contains this token id raises a simulated CUDA error "
+        "(unrecoverable, the engine stops).",
+        "use a token id (an integer >= 0), or unset it (always, in deployments)",
+    ),
+)
+
+BY_NAME: dict[str, EnvVar] = {v.name: v for v in VARIABLES}
+
+
+def read(name: str, env: Mapping[str, str] | None = None) -> Any:
+    """The parsed value of ``name`` (its default if unset or empty); :class:`EnvError` if malformed."""
+    var = BY_NAME[name]
+    raw = (os.environ if env is None else env).get(name)
+    if raw is None or not raw.strip():
+        return var.default
+    return var.parse(name, raw)
+
+
+def validate(env: Mapping[str, str] | None = None) -> tuple[SimpleNamespace, list[str]]:
+    """Parse and check every variable: the values by name, and one ``NAME=...: why; fix: how``
+    line per problem (all of them, so an operator fixes everything in one go)."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    problems: list[str] = []
+    for var in VARIABLES:
+        try:
+            values[var.name] = value = read(var.name, env)
+        except EnvError as exc:
+            problems.append(f"{exc}; fix: {var.fix}")
+            continue
+        if value is not None and var.check is not None and (why := var.check(value)) is not None:
+            problems.append(f"{var.name}={env.get(var.name)!r}: {why}; fix: {var.fix}")
+    return SimpleNamespace(**values), problems
+
+
+def prepare_collect_dir(path: Path) -> None:
+    """Create the calibration directory, refusing exactly what :func:`validate` refuses."""
+    if (why := collect_dir_problem(path)) is not None:
+        raise EnvError(f"{QSA_KV_COLLECT}={str(path)!r}: {why}; fix: {BY_NAME[QSA_KV_COLLECT].fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a race or a filesystem the access check cannot see (read-only mount)
+        raise EnvError(f"{QSA_KV_COLLECT}={str(path)!r}: cannot create directory: {exc}") from None
+
+
+def markdown_rows() -> list[str]:
+    """README table rows for these variables (the service prepends its own)."""
+    return [f"| `{v.name}` | {v.default_doc} | {v.doc} |" for v in VARIABLES]

@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 from model.planner_quant import ExpertFormat, checkpoint_expert_format, expert_bytes_per_rank
-from model.ple_format import table_format_of
 
 GIB = 1 << 30
 GB = 10**9
@@ -127,6 +126,15 @@ def load_config(path: str | Path):
     for k, v in extra.items():
         setattr(config, k, v)
     return config
+
+
+def table_format_of(config) -> str:
+    """The PLE table format the checkpoint stores (``ple_embedding_dtype``; bf16 when absent)."""
+    direct = getattr(config, "ple_embedding_dtype", None)
+    qc = getattr(config, "quantization_config", None)
+    nested = qc.get("ple_embedding_dtype") if isinstance(qc, dict) else None
+    value = str(direct or nested or "bf16").lower()
+    return {"fp8": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "bfloat16": "bf16"}.get(value, value)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -480,8 +488,7 @@ def make_plan(config_path: str | Path, machine: Machine, options: Options) -> Pl
     }
     full = weights_per_rank(config, 1, "bf16")
     ple = ple_tables(config, tp)
-    stored_ple_fmt = table_format_of(config)  # the loader's reader: refuses what the engine refuses
-    ple_fmt = options.ple_format or stored_ple_fmt
+    ple_fmt = options.ple_format or table_format_of(config)
     ple_dev = ple.bytes_per_rank[ple_fmt] if options.ple_on_device else 0
     cache = plan_cache(
         config,

@@ -25,6 +25,11 @@ The quantizer is round-to-nearest: scales from each group's/block's absmax
 (``compressed_tensors.quantization.utils.calculate_qparams``), then the library's own compressors
 (``PackedQuantizationCompressor``, ``FloatQuantizationCompressor``) quantize and pack, and its
 decompressors produce the ``--dequantized`` twin, so the on-disk format is the library's, not ours.
+The source may also be an FP8 block-scaled checkpoint as Qwen publishes them (``quant_method:
+fp8``, ``weight`` E4M3 + ``weight_scale_inv``): its weights are dequantized to bf16 first, so dense
+layers come out in bf16 and the targets in ``--format``. The conversion runs shard by shard (one
+output file per input file, plus the weight-map index), so a real checkpoint need not fit in memory.
+
 ``--scales pow2`` rounds every scale up to a power of two: dequantized values are then exactly
 representable in bf16, which makes the twin an exact reference for token-parity tests.
 """
@@ -200,15 +205,58 @@ def quantization_config(plan: Plan, ignore: list[str], target_names: list[str]) 
     return out
 
 
-def _read(src: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(src.glob("*.safetensors")):
+def _shards(src: Path) -> list[Path]:
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {src}")
+    return files
+
+
+def _shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the file headers (nothing is read into memory)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
         with safe_open(file, "pt") as f:
             for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    if not tensors:
-        raise FileNotFoundError(f"no *.safetensors files in {src}")
-    return tensors
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _fp8_source_block(config: dict, src: Path) -> list[int] | None:
+    """The block size of an FP8 block-scaled source (``quant_method: fp8``, as Qwen publishes FP8
+    checkpoints), whose weights are dequantized to bf16 first; any other quantized source is refused."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    block = qc.get("weight_block_size")
+    if str(qc.get("quant_method")).lower() == "fp8" and isinstance(block, list) and len(block) == 2:
+        return [int(b) for b in block]
+    raise ValueError(
+        f"{src}/config.json has a quantization_config ({qc.get('quant_method')!r}) this converter does not "
+        "read; convert a bf16 checkpoint or an FP8 block-scaled one (quant_method fp8, weight_block_size)"
+    )
+
+
+def _dequantize_fp8_source(tensors: dict[str, torch.Tensor], block: list[int], file: Path) -> None:
+    """In place: ``X.weight`` (E4M3) with ``X.weight_scale_inv`` (fp32 per block) -> bf16 ``X.weight``."""
+    for name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
+        module = name.removesuffix(".weight_scale_inv")
+        weight, inv = tensors[f"{module}.weight"], tensors.pop(name)
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(
+                f"{file.name}: {module}.weight is {weight.dtype}, expected float8_e4m3fn beside its scale"
+            )
+        n, k = weight.shape
+        want = (-(-n // block[0]), -(-k // block[1]))
+        if tuple(inv.shape) != want:
+            raise ValueError(
+                f"{file.name}: {name} has shape {list(inv.shape)}, block {block} needs {list(want)}"
+            )
+        full = inv.float().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+        tensors[f"{module}.weight"] = (weight.float() * full).to(torch.bfloat16)
+    for name, tensor in tensors.items():
+        if tensor.dtype == torch.float8_e4m3fn:
+            raise ValueError(f"{file.name}: {name} is FP8 without a weight_scale_inv beside it")
 
 
 def convert_checkpoint(
@@ -221,39 +269,57 @@ def convert_checkpoint(
     scales: str = "absmax",
     dequantized: bool = False,
 ) -> Path:
-    """Write ``out``: ``src`` with its targets in ``fmt`` (or, ``dequantized``, the bf16 twin)."""
+    """Write ``out``: ``src`` with its targets in ``fmt`` (or, ``dequantized``, the bf16 twin).
+
+    Works shard by shard (each input ``*.safetensors`` file becomes one output file of the same
+    name, plus the weight-map index), so a real checkpoint never has to fit in memory at once.
+    """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
     src, out = Path(src), Path(out)
+    if src.resolve() == out.resolve():
+        raise ValueError("--out must differ from --src")
     config = json.loads((src / "config.json").read_text())
-    if "quantization_config" in config:
-        raise ValueError(f"{src}/config.json already has a quantization_config; convert a bf16 checkpoint")
-    tensors = _read(src)
-    names = list(tensors)
+    source_block = _fp8_source_block(config, src)
+    files = _shards(src)
+    shapes = _shapes(files)
+    names = [n for n in shapes if not n.endswith(".weight_scale_inv")]
     mods = targets(names, scope)
     if not mods:
         raise ValueError(f"{src}: no {scope} projections found to quantize")
-    shapes = [tuple(tensors[f"{m}.weight"].shape) for m in mods]
-    plan = Plan(fmt, scope, choose_group(shapes, fmt, group_size), scales)
+    plan = Plan(fmt, scope, choose_group([shapes[f"{m}.weight"] for m in mods], fmt, group_size), scales)
     sch = scheme(plan)
-    result: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        module = name.removesuffix(".weight")
-        if module in mods and name.endswith(".weight"):
-            packed, restored = quantize_weight(tensor, plan, sch)
-            if dequantized:
-                result[name] = restored.contiguous()
-            else:
-                result.update({f"{module}.{k}": v.contiguous() for k, v in packed.items()})
-        else:
-            result[name] = tensor.contiguous()
+    wanted = set(mods)
     out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        if source_block is not None:
+            _dequantize_fp8_source(tensors, source_block, file)
+        result: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            module = name.removesuffix(".weight")
+            if module in wanted and name.endswith(".weight"):
+                packed, restored = quantize_weight(tensor, plan, sch)
+                if dequantized:
+                    result[name] = restored.contiguous()
+                else:
+                    result.update({f"{module}.{k}": v.contiguous() for k, v in packed.items()})
+            else:
+                result[name] = tensor.contiguous()
+        save_file(result, str(out / file.name), metadata={"format": "pt"})
+        weight_map.update({name: file.name for name in result})
+        del tensors, result
     for file in src.iterdir():
         if file.is_file() and file.suffix != ".safetensors" and file.name != "model.safetensors.index.json":
             shutil.copy2(file, out / file.name)
-    save_file(result, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if len(files) > 1:
+        index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    config.pop("quantization_config", None)
     if not dequantized:
-        config["quantization_config"] = quantization_config(plan, ignored(names, set(mods)), mods)
+        config["quantization_config"] = quantization_config(plan, ignored(names, wanted), mods)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "QUANTIZED").write_text(
         json.dumps(
@@ -266,7 +332,7 @@ def convert_checkpoint(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m model.quantize", description=__doc__.splitlines()[0])
-    p.add_argument("--src", required=True, help="bf16 checkpoint directory")
+    p.add_argument("--src", required=True, help="bf16 (or FP8 block-scaled) checkpoint directory")
     p.add_argument("--out", required=True)
     p.add_argument("--format", choices=FORMATS, required=True)
     p.add_argument("--scope", choices=SCOPES, default="experts")

@@ -127,5 +127,73 @@ def test_group_size_follows_the_shapes_and_bad_choices_are_refused(tmp_path):
 
 
 def test_refuses_an_already_quantized_source(quant_checkpoints, tmp_path):
-    with pytest.raises(ValueError, match="already has a quantization_config"):
+    with pytest.raises(
+        ValueError, match=r"has a quantization_config \('compressed-tensors'\) this converter"
+    ):
         convert_checkpoint(quant_checkpoints["tiny-w4a16"], tmp_path / "again", "w4a16")
+
+
+def _qwen_fp8_checkpoint(src, dst, block=64):
+    """An FP8 block-scaled checkpoint as Qwen publishes them (``weight`` E4M3 + ``weight_scale_inv``,
+    ``quant_method: fp8``), written in two shards, from a bf16 one."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = _tensors(src)
+    out = {}
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight") and w.ndim == 2 and all(d % block == 0 for d in w.shape):
+            n, k = w.shape
+            tiles = w.float().view(n // block, block, k // block, block)
+            inv = (tiles.abs().amax((1, 3)) / 448).clamp_min(1e-12)
+            full = inv.repeat_interleave(block, 0).repeat_interleave(block, 1)
+            out[name] = (w.float() / full).to(torch.float8_e4m3fn)
+            out[name.removesuffix("weight") + "weight_scale_inv"] = inv
+        else:
+            out[name] = w
+    names = sorted(out)
+    half = len(names) // 2
+    save_file({n: out[n] for n in names[:half]}, str(dst / "model-00001-of-00002.safetensors"))
+    save_file({n: out[n] for n in names[half:]}, str(dst / "model-00002-of-00002.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": [block, block],
+    }
+    (dst / "config.json").write_text(json.dumps(config))
+    deq = {}
+    for name, t in out.items():
+        if name.endswith("weight_scale_inv"):
+            continue
+        inv = out.get(name.removesuffix("weight") + "weight_scale_inv")
+        full = None if inv is None else inv.repeat_interleave(block, 0).repeat_interleave(block, 1)
+        deq[name] = t if inv is None else (t.float() * full).to(torch.bfloat16)
+    return dst, deq
+
+
+def test_fp8_block_source_is_dequantized_then_converted_shard_by_shard(quant_checkpoints, tmp_path):
+    fp8_src, deq = _qwen_fp8_checkpoint(quant_checkpoints["tiny"], tmp_path / "qwen-fp8")
+    out = convert_checkpoint(fp8_src, tmp_path / "w4", "w4a16", scales="pow2")
+    twin = convert_checkpoint(fp8_src, tmp_path / "w4-deq", "w4a16", scales="pow2", dequantized=True)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    merged = {}
+    for shard in shards:
+        with safe_open(out / shard, "pt") as f:
+            merged.update({k: f.get_tensor(k) for k in f.keys()})
+    assert set(index) == set(merged)
+    assert not any(t.dtype == torch.float8_e4m3fn for t in merged.values())
+    assert _qconfig(out)["format"] == "pack-quantized"
+    with safe_open(twin / shards[0], "pt") as f0, safe_open(twin / shards[1], "pt") as f1:
+        twin_t = {k: f.get_tensor(k) for f in (f0, f1) for k in f.keys()}
+    for name, value in deq.items():
+        module = name.removesuffix(".weight")
+        if f"{module}.weight_packed" in merged:
+            packed, scale = merged[f"{module}.weight_packed"], merged[f"{module}.weight_scale"]
+            assert torch.equal(decode_int4(packed, scale, value.shape).to(torch.bfloat16), twin_t[name])
+        else:
+            assert torch.equal(merged[name], value), name  # dense layers: the dequantized FP8 values

@@ -56,6 +56,7 @@ from model.ops.ple_tables import (
     quantize_nvfp4_rows,
     table_amax,
 )
+from model.ple_format import table_format_of
 
 TABLE_SHARD = re.compile(r"^(?P<owner>.+\.ple_embedding)\.ngram_embedding\.shard_(?P<index>\d+)\.weight$")
 INDEX_FILE = "model.safetensors.index.json"
@@ -77,10 +78,8 @@ def _text_config(config: dict) -> dict:
 
 
 def table_format(path: str | Path) -> str:
-    """``ple_embedding_dtype`` of a checkpoint directory (``"bf16"`` when absent)."""
-    config = _text_config(json.loads((Path(path) / "config.json").read_text()))
-    value = config.get("ple_embedding_dtype")
-    return "bf16" if value is None else parse_format(value, "config.json ple_embedding_dtype")
+    """The PLE table format of a checkpoint directory, read as the loader and planner read it."""
+    return table_format_of(_text_config(json.loads((Path(path) / "config.json").read_text())))
 
 
 def _table_scales(src: Path, files: list[str], fmt: str) -> dict[str, float]:

@@ -27,12 +27,12 @@ where vLLM and a GPU may be absent.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-TableFormat = Literal["bf16", "fp8_e4m3", "nvfp4"]
-FORMATS: tuple[str, ...] = ("bf16", "fp8_e4m3", "nvfp4")
+from model.ple_format import FORMATS, TableFormat, parse_format
+
+__all__ = ["FORMATS", "TableFormat", "parse_format"]  # re-exported: the format names live in model.ple_format
 
 NVFP4_BLOCK = 16
 """Values per NVFP4 block scale."""
@@ -52,28 +52,6 @@ _QUANT_CHUNK_ROWS = 1 << 16
 def _check_format(fmt: str) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"unknown PLE table format {fmt!r}; expected one of {FORMATS}")
-
-
-# Spellings accepted in checkpoint configs. "fp8" alone is rejected on purpose: it does not say
-# which of E4M3/E5M2 the codes are, and decoding with the wrong one is silently wrong.
-_FORMAT_ALIASES = {
-    "bf16": "bf16",
-    "bfloat16": "bf16",
-    "fp8_e4m3": "fp8_e4m3",
-    "float8_e4m3fn": "fp8_e4m3",
-    "nvfp4": "nvfp4",
-}
-
-
-def parse_format(value: object, source: str) -> str:
-    """Canonical table format for a config value; ValueError naming ``source`` and the choices."""
-    key = value.strip().lower() if isinstance(value, str) else value
-    if key not in _FORMAT_ALIASES:
-        raise ValueError(
-            f"{source} = {value!r} is not a PLE table format; use one of "
-            f"{sorted(_FORMAT_ALIASES)} (canonical: {list(FORMATS)})"
-        )
-    return _FORMAT_ALIASES[key]
 
 
 def fp32_exact(x: float) -> float:

@@ -51,12 +51,12 @@ from model.ops.ple_storage import (
 )
 from model.ops.ple_tables import (
     dequantize_rows,
-    parse_format,
     raw_row_bytes,
     row_shapes,
     shard_bounds,
     split_row_bytes,
 )
+from model.ple_format import parse_format, table_format_of
 
 from .hyper_connection import WeightOnly, ZeroCenteredRMSNorm
 from .qsa_attention import register_layer
@@ -88,31 +88,6 @@ def eos_of(config) -> int:
 def row_shard(total_rows: int, rank: int, world: int) -> tuple[int, int]:
     """Contiguous, near-even split of the table rows across tensor-parallel ranks (ETP)."""
     return shard_bounds(total_rows, rank, world)
-
-
-def resolve_table_format(config) -> str:
-    """The PLE table format of a checkpoint: ``ple_embedding_dtype`` in config.json (default bf16).
-
-    A ``quantization_config`` dict carrying ``ple_embedding_dtype`` is honoured too (tools that
-    record all quantization there); if both are present they must agree.
-    """
-    direct = getattr(config, "ple_embedding_dtype", None)
-    qc = getattr(config, "quantization_config", None)
-    nested = (
-        qc.get("ple_embedding_dtype") if isinstance(qc, dict) else getattr(qc, "ple_embedding_dtype", None)
-    )
-    a = None if direct is None else parse_format(direct, "config.json ple_embedding_dtype")
-    b = (
-        None
-        if nested is None
-        else parse_format(nested, "config.json quantization_config.ple_embedding_dtype")
-    )
-    if a is not None and b is not None and a != b:
-        raise ValueError(
-            f"config.json ple_embedding_dtype={direct!r} contradicts "
-            f"quantization_config.ple_embedding_dtype={nested!r}; keep one of them"
-        )
-    return a or b or "bf16"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -220,7 +195,7 @@ class NgramTable(nn.Module):
         self.tp_rank = get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
         self.tp_size = get_tensor_model_parallel_world_size() if tp_size is None else tp_size
         self.row_start, self.row_end = row_shard(self.total_rows, self.tp_rank, self.tp_size)
-        self.format = resolve_table_format(config) if fmt is None else parse_format(fmt, "fmt")
+        self.format = table_format_of(config) if fmt is None else parse_format(fmt, "fmt")
         self.mode: StorageMode = storage_mode_from_env() if mode is None else mode
         self.split_parts = config.split_ngram_parts
         self.layer_name = layer_name

@@ -75,7 +75,7 @@ def test_prefetch_env_defaults_to_cuda_only():
 
 
 def test_table_format_from_config():
-    from model.vllm_adapter.ple_layer import resolve_table_format
+    from model.ple_format import table_format_of as resolve_table_format
 
     assert resolve_table_format(SimpleNamespace()) == "bf16"
     assert resolve_table_format(SimpleNamespace(ple_embedding_dtype="nvfp4")) == "nvfp4"

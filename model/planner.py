@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from model.planner_quant import ExpertFormat, checkpoint_expert_format, expert_bytes_per_rank
 from model.ple_format import table_format_of
 
 GIB = 1 << 30
@@ -52,11 +53,10 @@ GB = 10**9
 # Bytes per element of the dtypes the cache and states use.
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 
-# Routed-expert weight formats. int4 = GPTQ/AWQ W4A16 (Marlin kernels run on sm_86), group 128,
-# one bf16 scale and one 4-bit zero per group; fp8 = W8A16 Marlin (the 3090 has no FP8 math, the
-# weights are widened in the kernel), one fp32 scale per output channel.
+# Routed-expert weight formats (model/planner_quant.py): int4 = compressed-tensors W4A16, group 128
+# (Marlin W4A16 on sm_86); fp8 = FP8 with 128x128 block scales (W8A16 Marlin: the 3090 has no FP8
+# math). A checkpoint's own quantization_config overrides the group/block size.
 EXPERT_FORMATS = ("bf16", "fp8", "int4")
-INT4_GROUP = 128
 
 # PLE table formats (model/ops/ple_tables.py): bytes per row of ``dim`` values.
 PLE_FORMATS = ("bf16", "fp8_e4m3", "nvfp4")
@@ -142,20 +142,9 @@ class WeightPart:
     sharding: str
 
 
-def expert_bytes(params: int, rows: int, fmt: str) -> int:
-    """Bytes of ``params`` routed-expert weights laid out as ``rows`` output channels."""
-    if fmt == "bf16":
-        return 2 * params
-    if fmt == "fp8":
-        return params + 4 * rows
-    if fmt == "int4":
-        groups = cdiv(params, INT4_GROUP)
-        return params // 2 + groups * 2 + cdiv(groups, 2)
-    raise ValueError(f"unknown expert weight format {fmt!r}; expected one of {EXPERT_FORMATS}")
-
-
-def weights_per_rank(config, tp: int, expert_format: str = "bf16") -> list[WeightPart]:
+def weights_per_rank(config, tp: int, expert_format: str | ExpertFormat = "bf16") -> list[WeightPart]:
     """The parameters one tensor-parallel rank allocates, by part (dense parts in bf16)."""
+    fmt = expert_format if isinstance(expert_format, ExpertFormat) else ExpertFormat(expert_format)
     c = config
     H = c.hidden_size
     hc = c.hc_count
@@ -213,12 +202,11 @@ def weights_per_rank(config, tp: int, expert_format: str = "bf16") -> list[Weigh
     E, I_, Is = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
     i_r = shard(I_, tp, "moe_intermediate_size")
     routed = E * (2 * i_r * H + H * i_r)
-    rows = E * (2 * i_r + H)
     add(
-        f"routed experts ({expert_format})",
+        f"routed experts ({fmt.label()})",
         n_layers * routed,
         "TP-sharded (intermediate)",
-        n_layers * expert_bytes(routed, rows, expert_format),
+        n_layers * expert_bytes_per_rank(E, i_r, H, fmt),
     )
     is_r = shard(Is, tp, "shared_expert_intermediate_size")
     add("shared expert", n_layers * 3 * is_r * H, "TP-sharded")
@@ -430,7 +418,7 @@ class Options:
     tp: int | None = None
     device: str = "cuda"
     kv_cache_dtype: str = "fp8"
-    expert_weights: str = "int4"
+    expert_weights: str = "int4"  # or "auto": the checkpoint's quantization_config (int4 when bf16)
     seq_len: int | None = None
     gpu_memory_utilization: float = 0.92
     reserve_gib: float = 2.5  # activations at max_num_batched_tokens + CUDA graphs + NCCL (assumed)
@@ -468,16 +456,27 @@ class Plan:
     recommended_ple_format: str | None
     memory_request_gib: int
     notes: list[str] = field(default_factory=list)
+    expert_format: str = ""  # routed-expert format planned, and whether the checkpoint stores it
 
 
 def make_plan(config_path: str | Path, machine: Machine, options: Options) -> Plan:
     config = load_config(config_path)
     tp = options.tp or machine.gpus
     seq_len = options.seq_len or config.max_position_embeddings
-    parts = weights_per_rank(config, tp, options.expert_weights)
+    stored = checkpoint_expert_format(config)
+    formats = {f: stored if stored.name == f else ExpertFormat(f) for f in EXPERT_FORMATS}
+    if options.expert_weights != "auto" and options.expert_weights not in formats:
+        raise ValueError(
+            f"unknown expert weight format {options.expert_weights!r}; expected auto or {EXPERT_FORMATS}"
+        )
+    if options.expert_weights == "auto":  # the checkpoint's format; a bf16 checkpoint is planned as int4
+        expert = stored if stored.name != "bf16" else formats["int4"]
+    else:
+        expert = formats[options.expert_weights]
+    parts = weights_per_rank(config, tp, expert)
     w_bytes = sum(p.bytes_per_rank for p in parts)
     by_format = {
-        f: sum(p.bytes_per_rank for p in weights_per_rank(config, tp, f)) / GIB for f in EXPERT_FORMATS
+        f: sum(p.bytes_per_rank for p in weights_per_rank(config, tp, x)) / GIB for f, x in formats.items()
     }
     full = weights_per_rank(config, 1, "bf16")
     ple = ple_tables(config, tp)
@@ -510,6 +509,11 @@ def make_plan(config_path: str | Path, machine: Machine, options: Options) -> Pl
     recommended = next((f for f in PLE_FORMATS if host_needed[f] <= usable), None)
     chosen = host_needed[ple_fmt]
     notes: list[str] = []
+    if expert.name != stored.name:
+        notes.append(
+            f"the checkpoint stores {stored.label()} routed experts; this plan assumes {expert.label()} "
+            "(convert first: python -m model.quantize, see the README)"
+        )
     if kv_bytes <= 0:
         notes.append(
             f"weights ({w_bytes / GIB:.1f} GiB/GPU) + reserve exceed the {budget / GIB:.1f} GiB budget: "
@@ -541,6 +545,7 @@ def make_plan(config_path: str | Path, machine: Machine, options: Options) -> Pl
         recommended_ple_format=recommended,
         memory_request_gib=request,
         notes=notes,
+        expert_format=f"{expert.label()} ({'checkpoint' if expert == stored else 'planned'})",
     )
 
 
@@ -578,7 +583,7 @@ def render(plan: Plan) -> str:
     w("")
     w(
         f"Machine: {m.gpus} x {m.gpu_mem_gib:g} GiB GPU, {m.host_ram_gib:g} GiB host RAM; TP={plan.tp}, "
-        f"device={o.device}, KV cache {o.kv_cache_dtype}, routed experts {o.expert_weights}, "
+        f"device={o.device}, KV cache {o.kv_cache_dtype}, routed experts {plan.expert_format}, "
         f"sequence length {plan.seq_len:,}, prefix caching {'on' if o.prefix_caching else 'off'}."
     )
     w("")
@@ -678,7 +683,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: --gpus)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="fp8")
-    p.add_argument("--expert-weights", choices=EXPERT_FORMATS, default="int4")
+    p.add_argument(
+        "--expert-weights",
+        choices=("auto", *EXPERT_FORMATS),
+        default="auto",
+        help="routed-expert format; auto = the checkpoint's quantization_config, or int4 (the format "
+        "a 3090 needs, noted in the output) for a bf16 checkpoint",
+    )
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: max_position_embeddings)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     p.add_argument("--reserve-gib", type=float, default=2.5, help="activations/graphs/NCCL per GPU")

@@ -42,6 +42,8 @@ def vllm_cuda_skip_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    if os.environ.get("QWEN4EXP_GPU_DRY_RUN") == "1":
+        return  # run the test code on vLLM's CPU build (device-specific assertions then fail)
     here = os.path.dirname(__file__)
     for item in items:
         if not str(item.fspath).startswith(here):

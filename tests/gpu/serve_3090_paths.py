@@ -1,0 +1,39 @@
+"""``python -m service`` with vLLM's GDN prefill pinned to Triton/FLA, the path an RTX 3090 takes.
+
+On an sm_86 card vLLM picks Triton for the Gated DeltaNet prefill by itself; on the Hopper GPU that
+stands in for it here it would pick FlashInfer's sm_90-only prefill. The service has no setting for
+vLLM's ``additional_config`` (a 3090 deployment never needs one), so the GPU tests start it through
+this shim, which only appends ``--additional-config '{"gdn_prefill_backend": "triton"}'`` to the
+engine flags the service derives from its settings. Everything else is ``service.__main__.main``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from service import prometheus_dir
+
+_create = prometheus_dir.create
+
+
+def _create_then_patch():
+    path = _create()  # the multiprocess directory must exist before vLLM is imported
+    import service.engine as engine
+    from tests.gpu.engine import CUDA_ADDITIONAL_CONFIG
+
+    original = engine.cli_args
+
+    def cli_args(settings, device):
+        return [*original(settings, device), "--additional-config", json.dumps(CUDA_ADDITIONAL_CONFIG)]
+
+    engine.cli_args = cli_args
+    return path
+
+
+prometheus_dir.create = _create_then_patch
+
+if __name__ == "__main__":
+    from service.__main__ import main
+
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The product on CUDA as a user runs it: ``python -m service`` answering the official openai client.
+
+Three service starts on the tiny checkpoint (``QWEN4EXP_DEVICE=cuda``):
+
+1. defaults (CUDA graphs, ``VLLM_PLE_CPU_OFFLOAD=1``: PLE rows in pinned host memory, gathered
+   through unified addressing): a streamed chat completion with ``include_usage``, greedy
+   completions of the parity prompts, and ``qwen4exp_ple_pinned_bytes`` > 0 on ``/metrics``;
+2. ``VLLM_PLE_CPU_OFFLOAD=0`` (tables in GPU memory), eager, collecting FP8 calibration absmax
+   (``VLLM_QSA_KV_COLLECT``): the same greedy tokens as (1), no pinned bytes;
+3. the FP8 QSA KV cache with the sidecar merged from (2)'s dumps and the clip counter on: the scale
+   gauges equal the sidecar and ``qwen4exp_qsa_kv_clipped_total`` is exported for K and V.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import ROOT, ensure_checkpoint
+
+pytestmark = pytest.mark.vllm_cuda
+
+STARTUP_TIMEOUT_S = 300.0
+DEVICE = os.environ.get("QWEN4EXP_GPU_DRY_RUN_DEVICE", "cuda")  # "cpu": check this file on vLLM's CPU build
+PROMPTS = {
+    "short": "The quick brown fox",
+    "story": "Once upon a time",
+    "long": " ".join(["The quick brown fox jumps over the lazy dog."] * 30),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    def __init__(self, tmp: Path, name: str, **env: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"{name}.log"
+        full = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.upper().startswith(("QWEN4EXP_", "VLLM_QSA_", "VLLM_PLE_"))
+            and k != "PROMETHEUS_MULTIPROC_DIR"
+        }
+        full.update(
+            QWEN4EXP_MODEL=str(ensure_checkpoint("tiny")),
+            QWEN4EXP_SERVED_MODEL_NAME="tiny",
+            QWEN4EXP_DEVICE=DEVICE,
+            QWEN4EXP_HOST="127.0.0.1",
+            QWEN4EXP_PORT=str(self.port),
+            QWEN4EXP_METRICS_OPEN="true",
+            QWEN4EXP_MAX_MODEL_LEN="2048",
+            QWEN4EXP_GPU_MEMORY_UTILIZATION="0.3",
+            **env,
+        )
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.gpu.serve_3090_paths"],
+                cwd=ROOT,
+                env=full,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"service exited {self.proc.returncode}:\n{self.log()[-6000:]}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise AssertionError(f"service not ready in {STARTUP_TIMEOUT_S} s:\n{self.log()[-6000:]}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def samples(self, prefix: str) -> list:
+        r = httpx.get(self.url + "/metrics", timeout=10)
+        r.raise_for_status()
+        return [
+            s for f in text_string_to_metric_families(r.text) for s in f.samples if s.name.startswith(prefix)
+        ]
+
+    def greedy(self, prompt: str, max_tokens: int = 24) -> str:
+        r = httpx.post(
+            self.url + "/v1/completions",
+            json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The three services, one after another; what each answered."""
+    tmp = tmp_path_factory.mktemp("service_cuda")
+    out: dict = {"tmp": tmp}
+
+    from openai import OpenAI
+
+    svc = Service(tmp, "pinned")
+    try:
+        client = OpenAI(base_url=svc.url + "/v1", api_key="unused-without-keys")
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "Once upon a time"}],
+                max_tokens=16,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        out["stream"] = chunks
+        out["pinned_texts"] = {n: svc.greedy(p) for n, p in PROMPTS.items()}
+        out["pinned_metrics"] = svc.samples("qwen4exp_ple_")
+        out["service_info"] = svc.samples("qwen4exp_service_info")
+    finally:
+        out["pinned_rc"] = svc.stop()
+
+    dumps = tmp / "kvdumps"
+    svc = Service(
+        tmp,
+        "device",
+        VLLM_PLE_CPU_OFFLOAD="0",
+        QWEN4EXP_ENFORCE_EAGER="true",
+        VLLM_QSA_KV_COLLECT=str(dumps),
+        VLLM_QSA_KV_COLLECT_INTERVAL="1",
+    )
+    try:
+        out["device_texts"] = {n: svc.greedy(p) for n, p in PROMPTS.items()}
+        out["device_metrics"] = svc.samples("qwen4exp_ple_")
+    finally:
+        out["device_rc"] = svc.stop()
+
+    sidecar = tmp / "qsa-kv-scales.json"
+    merge = subprocess.run(
+        [sys.executable, "-m", "model.qsa_kv.merge", "--out", str(sidecar), str(dumps), "--margin", "1.1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert merge.returncode == 0, merge.stdout + merge.stderr
+    out["sidecar"] = json.loads(sidecar.read_text())
+
+    svc = Service(
+        tmp,
+        "fp8",
+        QWEN4EXP_KV_CACHE_DTYPE="fp8",
+        VLLM_QSA_KV_SCALES=str(sidecar),
+        VLLM_QSA_KV_CLIP_COUNT="0.5",
+    )
+    try:
+        out["fp8_texts"] = {n: svc.greedy(p) for n, p in PROMPTS.items()}
+        time.sleep(1.5)  # one clip-counter read after the requests
+        out["fp8_metrics"] = svc.samples("qwen4exp_qsa_kv_")
+    finally:
+        out["fp8_rc"] = svc.stop()
+    return out
+
+
+def test_openai_client_streams_with_usage(runs):
+    chunks = runs["stream"]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert text, "no streamed content"
+    assert len(usage) == 1 and usage[0].completion_tokens == 16 and usage[0].prompt_tokens > 0
+    info = runs["service_info"]
+    assert info and info[0].labels["device"] == DEVICE, info
+
+
+def test_pinned_ple_tables_on_metrics(runs):
+    pinned = [s for s in runs["pinned_metrics"] if s.name == "qwen4exp_ple_pinned_bytes"]
+    assert pinned and all(s.value > 0 for s in pinned), pinned
+    modes = {s.labels["mode"] for s in runs["pinned_metrics"] if s.name == "qwen4exp_ple_storage_info"}
+    assert modes == {"pinned"}, modes
+    assert runs["pinned_rc"] == 0
+
+
+def test_device_ple_tables_generate_the_same_tokens(runs):
+    assert runs["device_texts"] == runs["pinned_texts"]
+    pinned = [s for s in runs["device_metrics"] if s.name == "qwen4exp_ple_pinned_bytes"]
+    assert pinned and all(s.value == 0 for s in pinned), pinned
+    modes = {s.labels["mode"] for s in runs["device_metrics"] if s.name == "qwen4exp_ple_storage_info"}
+    assert modes == {"device"}, modes
+    assert runs["device_rc"] == 0
+
+
+def test_fp8_kv_cache_with_calibrated_sidecar_and_clip_counters(runs):
+    sidecar = runs["sidecar"]
+    m = runs["fp8_metrics"]
+    for layer, scales in sidecar.items():
+        for tensor in ("k", "v"):
+            gauge = [
+                s.value
+                for s in m
+                if s.name == "qwen4exp_qsa_kv_scale"
+                and s.labels["layer"] == layer
+                and s.labels["tensor"] == tensor
+            ]
+            assert gauge and abs(gauge[0] - scales[f"{tensor}_scale"]) <= 1e-6 * scales[f"{tensor}_scale"], (
+                layer,
+                tensor,
+                gauge,
+            )
+            clipped = [
+                s
+                for s in m
+                if s.name == "qwen4exp_qsa_kv_clipped_total"
+                and s.labels["layer"] == layer
+                and s.labels["tensor"] == tensor
+            ]
+            assert clipped, f"no clip counter for {layer} {tensor}: {m}"
+    same = sum(runs["fp8_texts"][n] == runs["pinned_texts"][n] for n in PROMPTS)
+    print(f"FP8 KV: {same}/{len(PROMPTS)} greedy completions equal to the BF16 cache's")
+    assert all(runs["fp8_texts"].values())
+    assert runs["fp8_rc"] == 0

@@ -124,7 +124,7 @@ def main() -> int:
     header = [
         "mode",
         *[f"batch {b} (tok/s)" for b in batches],
-        *[f"TTFT {int(n) // 1024}k (ms)" for n in ttfts],
+        *[f"TTFT {int(n) / 1024:g}k (ms)" for n in ttfts],
     ]
     lines = [
         f"Model {Path(args.model).name}, {device}, {args.new_tokens} new tokens per request, "

@@ -297,3 +297,18 @@ def check_cpu_kernels(quantized: dict[str, nn.Module]) -> None:
                 "1679-1681) and this host has none. Serve FP8 experts on a GPU (Marlin W8A16 on sm_86) "
                 "or an AMX CPU, or serve the dequantized bf16 twin (python -m model.quantize --dequantized)"
             )
+
+
+def explain_construction_error(exc: Exception, quant_name: str | None) -> Exception:
+    """vLLM's MoE constructor refuses int4 experts without saying why; say it, with the fix."""
+    from vllm.platforms import current_platform
+
+    if quant_name and current_platform.is_cpu() and "No WNA16 MoE backend" in str(exc):
+        return QuantConfigError(
+            f"the checkpoint's routed experts are int4 ({quant_name}), and vLLM's CPU build has an int4 "
+            "MoE kernel only on x86 hosts with AMX tiles (CPUExpertsInt4, vllm/model_executor/layers/"
+            "fused_moe/experts/cpu_moe.py:840-844), with AMD's zentorch, or on Arm (cpu_int4_moe.py:60-63); "
+            f"this host has none (AMX: {torch.cpu._is_amx_tile_supported()}). Serve int4 experts on a GPU "
+            "(Marlin) or such a CPU, or serve the dequantized bf16 twin (python -m model.quantize --dequantized)"
+        )
+    return exc

@@ -33,7 +33,12 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from model.config_checks import validate_text_config
 from model.engine_guard import fault_injector
-from model.quant_checks import TensorChecker, check_cpu_kernels, check_must_stay_unquantized
+from model.quant_checks import (
+    TensorChecker,
+    check_cpu_kernels,
+    check_must_stay_unquantized,
+    explain_construction_error,
+)
 
 from .gdn import Qwen4ExpGatedDeltaNet
 from .hyper_connection import GatedResidual
@@ -154,14 +159,18 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
         super().__init__()
         config = vllm_config.model_config.hf_text_config
         self.config = config
-        self.model = Qwen4ExpModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
+        quant_name = vllm_config.quant_config and vllm_config.quant_config.get_name()
+        try:
+            self.model = Qwen4ExpModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
+        except NotImplementedError as exc:
+            raise explain_construction_error(exc, quant_name) from exc
         self.lm_head = ParallelLMHead(
             config.vocab_size,
             config.hidden_size,
             quant_config=vllm_config.quant_config,
             prefix=_join(prefix, "lm_head"),
         )
-        self._quant_name = vllm_config.quant_config and vllm_config.quant_config.get_name()
+        self._quant_name = quant_name
         self._hf_quant_config = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
         check_must_stay_unquantized(self, self._quant_name)
         if config.tie_word_embeddings:

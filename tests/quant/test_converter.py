@@ -161,6 +161,7 @@ def _qwen_fp8_checkpoint(src, dst, block=64):
     config["quantization_config"] = {
         "quant_method": "fp8",
         "fmt": "e4m3",
+        "activation_scheme": "dynamic",
         "weight_block_size": [block, block],
     }
     (dst / "config.json").write_text(json.dumps(config))

@@ -255,3 +255,30 @@ def _cpu_library_has(op: str) -> bool:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     return out.stdout.strip().endswith("True")
+
+
+def test_int4_experts_without_a_cpu_moe_kernel_are_refused_with_the_reason(quant_checkpoints):
+    if _int4_moe_kernel_here():
+        pytest.skip("AMX host: vLLM's CPU int4 MoE can run")
+    result = probe(quant_checkpoints["tiny-w4a16"])
+    assert "error" in result
+    assert re.search(
+        r"routed experts are int4 \(compressed-tensors\).*only on x86 hosts with AMX tiles.*cpu_moe\.py:840-844",
+        result["error"][1],
+    ), result["error"]
+
+
+def test_qwen_fp8_method_checkpoint_is_served_as_fp8_linears(quant_checkpoints, tmp_path):
+    """A checkpoint in the ``fp8`` method (as Qwen publishes FP8): on an AMX host our QSA projections
+    get vLLM's FP8 linear method; elsewhere vLLM's FP8 kernel selection for the first FP8 linear it
+    builds refuses at start-up (which layer that is, is not asserted here)."""
+    from .test_converter import _qwen_fp8_checkpoint
+
+    path, _ = _qwen_fp8_checkpoint(quant_checkpoints["tiny"], tmp_path / "qwen-fp8")
+    result = probe(path, "--skip-kernel-check")
+    if torch.cpu._is_amx_tile_supported():
+        assert "error" not in result, result["error"]
+        assert result["methods"]["model.layers.3.self_attn.qkv_proj"] == "Fp8LinearMethod"
+    else:
+        assert "error" in result
+        assert "Failed to find a kernel that can implement the ScaledMM linear layer" in result["error"][1]

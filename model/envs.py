@@ -278,6 +278,26 @@ def prepare_collect_dir(path: Path) -> None:
         raise EnvError(f"{QSA_KV_COLLECT}={str(path)!r}: cannot create directory: {exc}") from None
 
 
+def ple_storage_mode(env: Mapping[str, str] | None = None) -> str:
+    """``VLLM_PLE_CPU_OFFLOAD`` as a PLE storage mode: ``"pinned"`` (default) or ``"device"``.
+
+    On CUDA, ``"pinned"`` keeps tables in page-locked host memory read through UVA (start-up
+    fails if the GPU cannot); ``"device"`` puts them in GPU memory. On vLLM's CPU build both
+    keep them in ordinary RAM and look rows up with torch; only the storage class differs.
+    """
+    return "pinned" if read(PLE_CPU_OFFLOAD, env) else "device"
+
+
+def ple_prefetch(cuda: bool, env: Mapping[str, str] | None = None) -> bool:
+    """``VLLM_PLE_PREFETCH``: whether PLE lookups start early (default: only with CUDA).
+
+    On CPU a "prefetch" runs synchronously at the earlier point (there is no side stream); it is
+    off by default there and can be switched on to exercise the same code path in tests.
+    """
+    flag = read(PLE_PREFETCH, env)
+    return cuda if flag is None else flag
+
+
 def markdown_rows() -> list[str]:
     """README table rows for these variables (the service prepends its own)."""
     return [f"| `{v.name}` | {v.default_doc} | {v.doc} |" for v in VARIABLES]

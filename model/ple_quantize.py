@@ -45,18 +45,15 @@ from pathlib import Path
 
 import torch
 
-from model.ops.ple_tables import (
-    FORMATS,
-    PleTable,
-    dequantize_rows,
+from model.ops.ple_quantizers import (
     fp8_global_scale,
     nvfp4_global_scale,
-    parse_format,
     quantize_fp8_rows,
     quantize_nvfp4_rows,
     table_amax,
 )
-from model.ple_format import table_format_of
+from model.ops.ple_tables import FORMATS, PleTable, dequantize_rows
+from model.ple_format import parse_format, table_format_of
 
 TABLE_SHARD = re.compile(r"^(?P<owner>.+\.ple_embedding)\.ngram_embedding\.shard_(?P<index>\d+)\.weight$")
 INDEX_FILE = "model.safetensors.index.json"

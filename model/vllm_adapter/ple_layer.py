@@ -37,18 +37,12 @@ from vllm.distributed import (
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+from model import envs
 from model.metrics import gauge, ple_table_bytes
 from model.ops.ngram_hash import layout_from_config, next_context, ngram_row_ids, token_windows
 from model.ops.ple import dilated_causal_conv, ple_gated_values
-from model.ops.ple_storage import (
-    CPU_OFFLOAD_ENV,
-    PleStorage,
-    StorageMode,
-    make_storage,
-    prefetch_from_env,
-    release_file_pages,
-    storage_mode_from_env,
-)
+from model.ops.ple_host_memory import release_file_pages
+from model.ops.ple_storage import PleStorage, StorageMode, make_storage
 from model.ops.ple_tables import (
     dequantize_rows,
     raw_row_bytes,
@@ -196,7 +190,7 @@ class NgramTable(nn.Module):
         self.tp_size = get_tensor_model_parallel_world_size() if tp_size is None else tp_size
         self.row_start, self.row_end = row_shard(self.total_rows, self.tp_rank, self.tp_size)
         self.format = table_format_of(config) if fmt is None else parse_format(fmt, "fmt")
-        self.mode: StorageMode = storage_mode_from_env() if mode is None else mode
+        self.mode: StorageMode = envs.ple_storage_mode() if mode is None else mode
         self.split_parts = config.split_ngram_parts
         self.layer_name = layer_name
         self.out_dtype = out_dtype
@@ -226,7 +220,7 @@ class NgramTable(nn.Module):
             if self.mode == "pinned":
                 raise ValueError(
                     f"{layer_name}: PLE tables cannot be kept in pinned host memory here ({e}). Set "
-                    f"{CPU_OFFLOAD_ENV}=0 to keep them in GPU memory instead (needs "
+                    f"{envs.PLE_CPU_OFFLOAD}=0 to keep them in GPU memory instead (needs "
                     f"{self._nbytes_estimate() / 2**30:.2f} GiB per rank for this layer)"
                 ) from e
             raise
@@ -469,25 +463,32 @@ class NgramTable(nn.Module):
         """Embeddings ``[T, heads * row_dim]`` of global rows ``[T, heads]``, summed over ranks."""
         return self.finalize(self.reduce(self.partial_lookup(rows)))
 
-    def start_prefetch(self, rows: torch.Tensor) -> None:
-        """Start this rank's gather of ``rows`` on the side stream (synchronously without CUDA)."""
-        self.storage.start_prefetch(rows, raw=self.raw_reduce)
+    def start_prefetch(self, rows: torch.Tensor, context: object = None) -> None:
+        """Start this rank's gather of ``rows`` on the side stream (synchronously without CUDA).
+
+        ``context`` rides along with the prefetch in flight (the storage's ``prefetch`` object
+        is the one owner of that state) and comes back from :meth:`wait_prefetch_with_context`.
+        """
+        self.storage.prefetch.start(rows, raw=self.raw_reduce, context=context)
+
+    @property
+    def prefetch_pending(self) -> bool:
+        return self.storage.prefetch.pending
 
     def wait_prefetch(self) -> torch.Tensor:
         """Join the prefetch started by :meth:`start_prefetch` and return the embeddings."""
-        if self.raw_reduce:
-            partial = raw_row_bytes(*self.storage.wait_prefetch_raw())
-        else:
-            partial = self.storage.wait_prefetch().flatten(-2)
-        return self.finalize(self.reduce(partial))
+        return self.wait_prefetch_with_context()[1]
+
+    def wait_prefetch_with_context(self) -> tuple[object, torch.Tensor]:
+        """Join the prefetch: (the ``context`` it was started with, the embeddings)."""
+        pf = self.storage.prefetch
+        context = pf.context
+        partial = raw_row_bytes(*pf.wait_raw()) if self.raw_reduce else pf.wait().flatten(-2)
+        return context, self.finalize(self.reduce(partial))
 
     def drop_prefetch(self) -> None:
         """Join and discard a prefetch whose step was abandoned (e.g. an exception mid-forward)."""
-        if self.storage.prefetch_pending:
-            if self.raw_reduce:
-                self.storage.wait_prefetch_raw()
-            else:
-                self.storage.wait_prefetch()
+        self.storage.prefetch.drop()
 
 
 @dataclass
@@ -520,7 +521,7 @@ class Qwen4ExpPLE(nn.Module):
         self.norm_conv = ZeroCenteredRMSNorm(width, self.eps, self.hidden_size)
         self.conv1d = WeightOnly(width, 1, config.ple_conv_kernel_size)
         device = torch.device(vllm_config.device_config.device)
-        self.prefetch = prefetch_from_env(cuda=device.type == "cuda")
+        self.prefetch = envs.ple_prefetch(cuda=device.type == "cuda")
         self.ple_embedding = NgramTable(
             config,
             ple_index,
@@ -531,7 +532,6 @@ class Qwen4ExpPLE(nn.Module):
             max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
         )
         self.state = PLEState(config, vllm_config.model_config.dtype, prefix=f"{prefix}.state")
-        self._step: PLEStep | None = None
 
     def prepare(self, input_ids: torch.Tensor) -> PLEStep:
         """Token windows and table rows for this step, from ``input_ids`` and this layer's state.
@@ -561,24 +561,22 @@ class Qwen4ExpPLE(nn.Module):
         return PLEStep(qsl, qsl_dev, has_state, slots, context, windows, rows)
 
     def start_lookup(self, step: PLEStep) -> None:
-        """Begin the table gather for ``step``; :meth:`forward` joins it."""
+        """Begin the table gather for ``step``; :meth:`forward` joins it (the step travels with
+        the prefetch in the table's storage, the one place that knows a gather is in flight)."""
         self.drop_pending()
-        self.ple_embedding.start_prefetch(step.rows)
-        self._step = step
+        self.ple_embedding.start_prefetch(step.rows, context=step)
 
     def drop_pending(self) -> None:
-        if self._step is not None:
-            self.ple_embedding.drop_prefetch()
-            self._step = None
+        self.ple_embedding.drop_prefetch()
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         table = self.ple_embedding
-        step, self._step = self._step, None
-        if step is None:  # synchronous lookup (CPU, prefetch off, or called outside the model)
+        if table.prefetch_pending:
+            step, embeddings = table.wait_prefetch_with_context()
+            assert isinstance(step, PLEStep)
+        else:  # synchronous lookup (CPU, prefetch off, or called outside the model)
             step = self.prepare(input_ids)
             embeddings = table.lookup(step.rows)
-        else:
-            embeddings = table.wait_prefetch()
         gated, conv_in = ple_gated_values(
             streams,
             embeddings.to(streams.dtype),

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.ops import ple_storage
+from model.ops import ple_uva
+from model.ops.ple_codes import E4M3_MAX, NVFP4_BLOCK, decode_e2m1, decode_e4m3
+from model.ops.ple_quantizers import quantize_fp8_rows, quantize_nvfp4_rows
 from model.ops.ple_storage import (
     DevicePleStorage,
     PinnedHostPleStorage,
@@ -23,18 +25,12 @@ from model.ops.ple_storage import (
     storage_from_table,
 )
 from model.ops.ple_tables import (
-    E4M3_MAX,
     FORMATS,
-    NVFP4_BLOCK,
     PleTable,
-    decode_e2m1,
-    decode_e4m3,
     dequantize_rows,
     lookup_raw_ref,
     lookup_ref,
     make_table,
-    quantize_fp8_rows,
-    quantize_nvfp4_rows,
     shard_bounds,
     slice_table,
 )
@@ -315,8 +311,8 @@ def test_make_storage_rejects_bad_mode() -> None:
 def test_pinned_on_cuda_without_uva_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CUDA platform whose GPU fails the UVA probe must get a ValueError, not a fallback."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(ple_storage, "_UVA_OK", {})
-    monkeypatch.setattr(ple_storage, "_probe_uva", lambda index: "fake GPU: no unified addressing")
+    monkeypatch.setattr(ple_uva, "_UVA_OK", {})
+    monkeypatch.setattr(ple_uva, "_probe_uva", lambda index: "fake GPU: no unified addressing")
     with pytest.raises(ValueError, match="no unified addressing"):
         make_storage("pinned", "fp8_e4m3", 0, 10, 16, device="cuda:0")
 

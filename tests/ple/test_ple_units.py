@@ -7,12 +7,8 @@ converted checkpoints' tensors through ``load_tensor``, the same routine vLLM's 
 from __future__ import annotations
 
 import json
-import os
-import re
-import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,21 +17,15 @@ import torch
 from safetensors.torch import load_file
 
 from model.envs import parse_flag
-from model.ops.ple_storage import prefetch_from_env, storage_mode_from_env
+from model.envs import ple_prefetch as prefetch_from_env
+from model.envs import ple_storage_mode as storage_mode_from_env
+from model.ops.ple_quantizers import fp8_global_scale, nvfp4_global_scale, table_amax
 from model.ops.ple_tables import (
-    EtpCollectives,
     dequantize_rows,
-    etp_lookup_raw_across_ranks,
-    etp_pad_ids,
-    etp_select_own,
-    fp8_global_scale,
     lookup_ref,
-    nvfp4_global_scale,
     raw_row_bytes,
     shard_bounds,
-    slice_table,
     split_row_bytes,
-    table_amax,
 )
 from model.ple_quantize import convert_checkpoint, read_tables, table_format
 
@@ -66,10 +56,10 @@ def test_offload_env_values():
 
 
 def test_prefetch_env_defaults_to_cuda_only():
-    assert prefetch_from_env(cuda=True, environ={}) is True
-    assert prefetch_from_env(cuda=False, environ={}) is False
-    assert prefetch_from_env(cuda=False, environ={"VLLM_PLE_PREFETCH": "1"}) is True
-    assert prefetch_from_env(cuda=True, environ={"VLLM_PLE_PREFETCH": "0"}) is False
+    assert prefetch_from_env(cuda=True, env={}) is True
+    assert prefetch_from_env(cuda=False, env={}) is False
+    assert prefetch_from_env(cuda=False, env={"VLLM_PLE_PREFETCH": "1"}) is True
+    assert prefetch_from_env(cuda=True, env={"VLLM_PLE_PREFETCH": "0"}) is False
     with pytest.raises(ValueError, match="VLLM_PLE_PREFETCH"):
         parse_flag("VLLM_PLE_PREFETCH", "sometimes")
 
@@ -244,10 +234,10 @@ def test_etp_ranks_sum_to_dequantized_reference(ple_checkpoints, fmt, world, mod
 def test_table_reserves_prefetch_buffer_at_construction(ple_checkpoints):
     """The prefetch output exists before any forward (CUDA graphs cannot allocate while capturing)."""
     t = _table(ple_checkpoints["nvfp4"], "nvfp4", 0, 2, "pinned", prefetch=True, max_tokens=64)
-    assert t.storage._pf_raw is not None and t.storage._pf_raw[0].shape == (64 * 4, 16)
-    assert t.storage._pf_raw[1].shape == (64 * 4, 2)
+    assert t.storage.prefetch._raw is not None and t.storage.prefetch._raw[0].shape == (64 * 4, 16)
+    assert t.storage.prefetch._raw[1].shape == (64 * 4, 2)
     t1 = _table(ple_checkpoints["nvfp4"], "nvfp4", 0, 1, "pinned", prefetch=True, max_tokens=64)
-    assert t1.storage._pf_buf is not None and t1.storage._pf_buf.shape == (64 * 4, 32)
+    assert t1.storage.prefetch._buf is not None and t1.storage.prefetch._buf.shape == (64 * 4, 32)
 
 
 def test_lookup_before_global_scale_fails(ple_checkpoints):
@@ -262,12 +252,12 @@ def test_lookup_before_global_scale_fails(ple_checkpoints):
 
 def test_pinned_mode_error_names_the_switch(monkeypatch, ple_checkpoints):
     """On a GPU without unified addressing, start-up fails and says how to keep tables on the GPU."""
-    from model.ops import ple_storage
+    from model.ops import ple_uva
     from model.vllm_adapter.ple_layer import NgramTable
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(ple_storage, "_UVA_OK", {})
-    monkeypatch.setattr(ple_storage, "_probe_uva", lambda index: "fake GPU: no unified addressing")
+    monkeypatch.setattr(ple_uva, "_UVA_OK", {})
+    monkeypatch.setattr(ple_uva, "_probe_uva", lambda index: "fake GPU: no unified addressing")
     with pytest.raises(ValueError, match="no unified addressing.*VLLM_PLE_CPU_OFFLOAD=0"):
         NgramTable(
             _config(ple_checkpoints["bf16"]), 0, "l0", mode="pinned", device="cuda:0", tp_rank=0, tp_size=1
@@ -332,104 +322,6 @@ def test_prefetcher_starts_each_lookup_one_layer_early():
         "layer4",
     ]
     assert not PLEPrefetcher([SimpleNamespace(ple=_FakePLE(0, [], prefetch=False))]).enabled
-
-
-# ------------------------------------------------------------------------------------------------
-# ETP groups spanning data-parallel ranks: members with different batches
-# ------------------------------------------------------------------------------------------------
-
-
-class _ThreadCollectives(EtpCollectives):
-    """Collectives between threads (one per simulated rank), for lockstep simulation in-process."""
-
-    def __init__(self, rank: int, world: int, shared: dict) -> None:
-        self.rank, self.world_size, self.shared = rank, world, shared
-
-    def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
-        self.shared["slots"][self.rank] = t
-        self.shared["barrier"].wait()
-        parts = list(self.shared["slots"])
-        self.shared["barrier"].wait()
-        return parts
-
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.stack(self._exchange(t))
-
-    def reduce_scatter_sum(self, t: torch.Tensor) -> torch.Tensor:
-        parts = self._exchange(t)
-        mine = torch.stack([p[self.rank] for p in parts])
-        assert ((mine != 0).sum(0) <= 1).all(), "a row byte came from two members"
-        return mine.sum(0, dtype=t.dtype)
-
-
-def test_etp_pad_and_select():
-    ids = torch.tensor([[5, 7], [9, 11]])
-    slots = etp_pad_ids(ids, 6)
-    assert slots.tolist() == [5, 7, 9, 11, -1, -1]
-    with pytest.raises(ValueError, match="do not fit"):
-        etp_pad_ids(ids, 3)
-    reduced = torch.arange(2 * 6 * 3).view(2, 6, 3)
-    assert torch.equal(etp_select_own(reduced, 1, 4), reduced[1, :4])
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_etp_across_dp_ranks_simulated(ple_checkpoints, fmt):
-    """3 members, each with its own batch (different sizes, one empty), tables sharded over all 3."""
-    from model.ops.ple_storage import storage_from_table
-
-    full = read_tables(ple_checkpoints[fmt])[OWNER.format(0)]
-    world, capacity = 3, 64 * 4
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(-1, full.num_rows + 1, (n, 4), generator=g) for n in (37, 0, 64)]
-    shared = {"slots": [None] * world, "barrier": threading.Barrier(world)}
-    results: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
-
-    def member(rank: int) -> None:
-        try:
-            lo, hi = shard_bounds(full.num_rows, rank, world)
-            st = storage_from_table("pinned", slice_table(full, lo, hi), device="cpu")
-            comm = _ThreadCollectives(rank, world, shared)
-            data, scales = etp_lookup_raw_across_ranks(
-                fmt, full.dim, st.lookup_raw, batches[rank], capacity, comm
-            )
-            results[rank] = dequantize_rows(fmt, data, scales, full.global_scale)
-        except BaseException as e:  # surfaced below; a dead thread would hang the barrier
-            errors.append(e)
-            shared["barrier"].abort()
-
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not errors, errors
-    for rank, ids in enumerate(batches):
-        assert torch.equal(_bits(results[rank]), _bits(lookup_ref(full, ids))), f"member {rank}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_etp_across_dp_ranks_torch_distributed(ple_checkpoints):
-    """The same with real torch.distributed collectives (gloo, 3 processes, every format)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    args = [str(ple_checkpoints[f]) for f in FORMATS]
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.ple._etp_gloo", str(_free_port()), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    # Ranks share stdout, so their lines may interleave: match the reports, not whole lines.
-    reports = set(re.findall(r"ETP rank (\d) (\S+?) (equal|DIFFERENT)", proc.stdout))
-    assert reports == {(str(r), f, "equal") for r in range(3) for f in FORMATS}, proc.stdout
 
 
 def test_raw_row_bytes_roundtrip():

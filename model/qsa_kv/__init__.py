@@ -10,8 +10,10 @@ CUDA, plain torch on vLLM's CPU build). Everything about the scale lives here:
   the server and the merge CLI so both accept exactly the same files.
 - ``ops``: the per-step device ops (encode, clip counting, running absmax). They never synchronise
   with the host and only add into preallocated tensors, so they keep working under CUDA graphs.
-- ``state``: the per-layer module holding those device tensors (``QSAKVState``).
-- ``snapshot`` / ``runtime``: background threads that read the counters off the device without
-  blocking the compute stream, log, export Prometheus metrics, and dump calibration statistics.
+- ``state``: the per-layer module holding those device tensors (``QSAKVState``), nothing else.
+- ``snapshot`` / ``runtime``: the process side, started once: a layer attaches itself after
+  weight loading; the runtime registers it, exports its scale metric, logs it, and runs the
+  background threads that read the counters off the device without blocking the compute stream
+  and dump calibration statistics. ``runtime`` never imports ``state`` (no import cycle).
 - ``merge``: ``python -m model.qsa_kv.merge`` turns calibration dumps of all ranks into a sidecar.
 """

@@ -19,15 +19,14 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+import torch
 
 from model.metrics import counter, gauge
 
 from .sidecar import atomic_write_json
 from .snapshot import DeviceSnapshot
-
-if TYPE_CHECKING:
-    from .state import QSAKVState
 
 logger = logging.getLogger("vllm.qwen4exp.qsa_kv")
 
@@ -75,11 +74,47 @@ def parallel_ranks() -> dict[str, int]:
     return ranks
 
 
+class LayerKVState(Protocol):
+    """What the runtime reads from a QSA layer's KV state (``model.qsa_kv.state.QSAKVState``).
+
+    A protocol rather than an import: the state hands itself to the runtime, so importing the
+    state here would make the two modules import each other.
+    """
+
+    layer_name: str
+    settings: Any  # model.qsa_kv.settings.QSAKVSettings
+    scale_source: str
+    model_name: str
+    cache_dtype: str
+    expected_layers: tuple[str, ...]
+    clip_counts: torch.Tensor | None
+    absmax: torch.Tensor | None
+    tokens: torch.Tensor | None
+
+    @property
+    def quantized(self) -> bool: ...
+
+    @property
+    def calibrated(self) -> bool: ...
+
+    @property
+    def k_scale_value(self) -> float: ...
+
+    @property
+    def v_scale_value(self) -> float: ...
+
+
 class QSAKVRuntime:
-    """Registry of this process's QSA layer states and owner of the reader/dump threads."""
+    """This process's QSA layer registry: exports, logs, and the reader/dump threads (started once).
+
+    A layer's state only holds device buffers; :meth:`attach` is everything that happens in the
+    process because a layer exists: registration, its scale metric and start-up log line, and the
+    background clip reader / calibration collector, each started the first time a layer needs it
+    (later layers are picked up by the running thread).
+    """
 
     def __init__(self) -> None:
-        self.layers: dict[str, QSAKVState] = {}
+        self.layers: dict[str, LayerKVState] = {}
         self._lock = threading.Lock()
         self._poll_lock = threading.Lock()  # one clip read at a time (reader thread, tests, callers)
         self._dump_lock = threading.Lock()  # periodic and at-exit dumps never interleave
@@ -99,7 +134,57 @@ class QSAKVRuntime:
 
     # ---- registration ------------------------------------------------------------------------
 
-    def add(self, state: QSAKVState) -> None:
+    def attach(self, state: LayerKVState) -> None:
+        """Register a layer whose buffers hold their final scales, export and log it, start readers."""
+        self.add(state)
+        self._export_and_log(state)
+        settings = state.settings
+        if state.clip_counts is not None:
+            assert settings.clip_interval_s is not None
+            self.start_clip_reader(settings.clip_interval_s)
+        if state.absmax is not None:
+            assert settings.collect_dir is not None
+            self.set_meta(
+                model=state.model_name,
+                kv_cache_dtype=state.cache_dtype,
+                expected_layers=list(state.expected_layers),
+            )
+            self.start_collector(Path(settings.collect_dir), settings.collect_interval_s)
+
+    def _export_and_log(self, state: LayerKVState) -> None:
+        settings = state.settings
+        calibration = f"to {settings.collect_dir}" if state.absmax is not None else "off"
+        if not state.quantized:
+            logger.info(
+                "QSA KV cache %s (rank %s): %s; calibration %s",
+                state.layer_name,
+                self.rank,
+                state.scale_source,
+                calibration,
+            )
+            return
+        for tensor, value in (("k", state.k_scale_value), ("v", state.v_scale_value)):
+            scale_metric().labels(layer=state.layer_name, rank=self.rank, tensor=tensor).set(value)
+        message = "QSA KV cache %s (rank %s): fp8_e4m3, k_scale=%g v_scale=%g (%s); clip counting %s, calibration %s"
+        args = (
+            state.layer_name,
+            self.rank,
+            state.k_scale_value,
+            state.v_scale_value,
+            state.scale_source,
+            f"every {settings.clip_interval_s:g} s" if state.clip_counts is not None else "off",
+            calibration,
+        )
+        if not state.calibrated:
+            logger.warning(
+                message + ". UNCALIBRATED FP8 KV CACHE: values beyond +-448 are clipped and small values "
+                "lose precision; calibrate with VLLM_QSA_KV_COLLECT and python -m model.qsa_kv.merge",
+                *args,
+            )
+        else:
+            logger.info(message, *args)
+
+    def add(self, state: LayerKVState) -> None:
         # Ranks are read here, not at construction: registration happens after vLLM set up its groups.
         self.ranks = parallel_ranks()
         with self._lock:

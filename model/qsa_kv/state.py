@@ -1,5 +1,9 @@
 """``QSAKVState``: the FP8 scales and statistics of one QSA layer, as device tensors.
 
+Only buffers and the per-step ops on them live here; what a layer means for the process (its
+metric, its log line, the reader and collector threads) is ``runtime.QSAKVRuntime.attach``. The
+runtime does not import this module (it reads a layer through a protocol), so there is no cycle.
+
 Built inside the layer's constructor, which is where start-up errors must surface: settings and the
 sidecar are validated then, before any weight is loaded. The scale *values* are written into the
 device buffers later, in ``apply()``, which the layer calls from vLLM's post-load hook
@@ -11,10 +15,8 @@ CUDA-graph capture, so a captured graph reads the final scales. The scales are o
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,11 +24,9 @@ from torch import nn
 from model.ops.fp8_e4m3 import encode_e4m3
 
 from . import ops
-from .runtime import get_runtime, scale_metric
+from .runtime import get_runtime
 from .settings import ENV_SCALES, ENV_SCALES_STRICT, FP8_E4M3, QSAKVConfigError, QSAKVSettings
 from .sidecar import LayerScales, load_sidecar
-
-logger = logging.getLogger("vllm.qwen4exp.qsa_kv")
 
 
 @functools.lru_cache(maxsize=8)
@@ -117,52 +117,17 @@ class QSAKVState(nn.Module):
     def v_scale_value(self) -> float:
         return self.static.v_scale if self.static is not None else 1.0
 
+    @property
+    def calibrated(self) -> bool:
+        """Whether the scales come from a sidecar (an FP8 cache without one runs at 1.0)."""
+        return self.static is not None
+
     def apply(self) -> None:
-        """Write the effective scales to the device, log and export them, start the background readers."""
+        """Write the effective scales into the device buffers, then hand the layer to the process
+        runtime (which registers, exports and logs it and starts the background readers once)."""
         self.k_scale.fill_(self.k_scale_value)
         self.v_scale.fill_(self.v_scale_value)
-        runtime = get_runtime()
-        runtime.add(self)
-        if self.quantized:
-            for tensor, value in (("k", self.k_scale_value), ("v", self.v_scale_value)):
-                scale_metric().labels(layer=self.layer_name, rank=runtime.rank, tensor=tensor).set(value)
-            message = "QSA KV cache %s (rank %s): fp8_e4m3, k_scale=%g v_scale=%g (%s); clip counting %s, calibration %s"
-            args = (
-                self.layer_name,
-                runtime.rank,
-                self.k_scale_value,
-                self.v_scale_value,
-                self.scale_source,
-                f"every {self.settings.clip_interval_s:g} s" if self.clip_counts is not None else "off",
-                f"to {self.settings.collect_dir}" if self.absmax is not None else "off",
-            )
-            if self.static is None:
-                logger.warning(
-                    message + ". UNCALIBRATED FP8 KV CACHE: values beyond +-448 are clipped and small values "
-                    "lose precision; calibrate with VLLM_QSA_KV_COLLECT and python -m model.qsa_kv.merge",
-                    *args,
-                )
-            else:
-                logger.info(message, *args)
-        else:
-            logger.info(
-                "QSA KV cache %s (rank %s): %s; calibration %s",
-                self.layer_name,
-                runtime.rank,
-                self.scale_source,
-                f"to {self.settings.collect_dir}" if self.absmax is not None else "off",
-            )
-        if self.clip_counts is not None:
-            assert self.settings.clip_interval_s is not None
-            runtime.start_clip_reader(self.settings.clip_interval_s)
-        if self.absmax is not None:
-            assert self.settings.collect_dir is not None
-            runtime.set_meta(
-                model=self.model_name,
-                kv_cache_dtype=self.cache_dtype,
-                expected_layers=list(self.expected_layers),
-            )
-            runtime.start_collector(Path(self.settings.collect_dir), self.settings.collect_interval_s)
+        get_runtime().attach(self)
         self.applied = True
 
     def observe(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from model import planner, ple_format, ple_quantize
-from model.vllm_adapter import ple_layer
+from model.vllm_adapter import ple_table
 from tests.deploy.tools import EXAMPLE_CONFIG
 
 ABSENT = object()
@@ -54,7 +54,7 @@ def _outcome(read) -> str:
 
 
 def test_the_loader_and_the_planner_use_the_one_reader():
-    assert ple_layer.table_format_of is ple_format.table_format_of
+    assert ple_table.table_format_of is ple_format.table_format_of
     assert planner.table_format_of is ple_format.table_format_of
 
 
@@ -66,7 +66,7 @@ def test_every_reader_accepts_and_refuses_the_same(tmp_path: Path, value, expect
 
     ckpt = _checkpoint(tmp_path, value)
     hf_config = AutoConfig.from_pretrained(ckpt)  # what vLLM hands the model
-    loader = _outcome(lambda: ple_layer.table_format_of(hf_config))
+    loader = _outcome(lambda: ple_table.table_format_of(hf_config))
     quantizer = _outcome(lambda: ple_quantize.table_format(ckpt))
 
     def plan() -> str:

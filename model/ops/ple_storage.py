@@ -28,13 +28,13 @@ from typing import Literal
 import torch
 
 from model.kernels import ple_gather as _pg
-from model.ops.ple_host_memory import alloc_host_tensor, alloc_pinned_host
+from model.ops.ple_host_memory import alloc_host_tensor
+from model.ops.ple_host_memory import (
+    alloc_pinned_host as alloc_pinned_host,  # re-export: bench/gpu_ple_gather.py
+)
 from model.ops.ple_prefetch import SideStreamPrefetch
 from model.ops.ple_tables import FORMATS, PleTable, fp32_exact, lookup_raw_ref, lookup_ref, row_shapes
 from model.ops.ple_uva import check_uva_support
-
-# Re-exported: the GPU judges (tests/gpu, bench/gpu_ple_gather.py) import them from here.
-__all__ = ["alloc_pinned_host", "check_uva_support"]
 
 StorageMode = Literal["device", "pinned"]
 

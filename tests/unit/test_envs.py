@@ -1,0 +1,47 @@
+"""``model.envs``: every model variable declared once, parsed strictly, read the same everywhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from model import envs
+from model.engine_guard import fault_injector
+
+
+def test_every_variable_is_documented_and_unset_gives_its_default():
+    assert len(envs.BY_NAME) == len(envs.VARIABLES)
+    for var in envs.VARIABLES:
+        assert var.doc and var.fix and var.default_doc, var.name
+        assert envs.read(var.name, {}) == var.default
+        assert envs.read(var.name, {var.name: "  "}) == var.default  # empty counts as unset
+
+
+@pytest.mark.parametrize("name", [v.name for v in envs.VARIABLES if v.parse is envs.parse_flag])
+def test_every_flag_takes_the_same_spellings(name):
+    for on in ("1", "true", "YES", " on "):
+        assert envs.read(name, {name: on}) is True
+    for off in ("0", "False", "no", "OFF"):
+        assert envs.read(name, {name: off}) is False
+    for bad in ("2", "y", "t", "of"):
+        with pytest.raises(envs.EnvError, match=f"^{name}='{bad}' is not a valid value"):
+            envs.read(name, {name: bad})
+
+
+def test_fault_injection_token_is_parsed_by_envs(monkeypatch):
+    monkeypatch.setenv(envs.FAULT_INJECT_TOKEN, "seven")
+    with pytest.raises(envs.EnvError, match="QWEN4EXP_FAULT_INJECT_TOKEN='seven': must be a token id"):
+        fault_injector()
+    monkeypatch.setenv(envs.FAULT_INJECT_TOKEN, "7")
+    assert fault_injector() is not None
+    monkeypatch.delenv(envs.FAULT_INJECT_TOKEN)
+    assert fault_injector() is None
+
+
+def test_collect_dir_problems(tmp_path: Path):
+    assert envs.collect_dir_problem(tmp_path) is None
+    assert envs.collect_dir_problem(tmp_path / "new" / "deeper") is None
+    (tmp_path / "f").write_text("")
+    assert "exists and is not a directory" in envs.collect_dir_problem(tmp_path / "f")
+    assert "cannot create directory" in envs.collect_dir_problem(tmp_path / "f" / "sub")

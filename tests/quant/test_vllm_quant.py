@@ -282,3 +282,19 @@ def test_qwen_fp8_method_checkpoint_is_served_as_fp8_linears(quant_checkpoints, 
     else:
         assert "error" in result
         assert "Failed to find a kernel that can implement the ScaledMM linear layer" in result["error"][1]
+
+
+def test_quantized_ple_tables_and_int4_experts_load_together(quant_checkpoints, tmp_path):
+    """The README's path: PLE tables to nvfp4 (model.ple_quantize), then the experts to int4; the
+    tables keep their own format and both load."""
+    from model.ple_quantize import convert_checkpoint as convert_ple
+    from model.quantize import convert_checkpoint
+
+    ple = convert_ple(quant_checkpoints["tiny"], tmp_path / "ple", "nvfp4")
+    both = convert_checkpoint(ple, tmp_path / "ple-w4a16", "w4a16", scales="pow2")
+    assert json.loads((both / "config.json").read_text())["ple_embedding_dtype"] == "nvfp4"
+    result = probe(both, *_flags("tiny-w4a16"))
+    assert "error" not in result, result["error"]
+    assert set(m for k, m in result["methods"].items() if k.endswith("routed_experts")) == {
+        "CompressedTensorsWNA16MoEMethod"
+    }

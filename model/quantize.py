@@ -97,19 +97,36 @@ def ignored(names: list[str], quantized: set[str]) -> list[str]:
     return ["lm_head", *sorted(keep)]
 
 
+ROW_PARALLEL_RE = re.compile(r"\.(down_proj|o_proj|out_proj)$")
+
+
+def per_rank_shapes(modules: list[str], shapes: list[tuple[int, int]], tp: int) -> list[tuple[int, int]]:
+    """``(N, K)`` each tensor-parallel rank holds: row-parallel layers (down/o/out projections) split
+    their input dim, the others their output dim (vLLM's column/row-parallel linears and FusedMoE)."""
+    out = []
+    for module, (n, k) in zip(modules, shapes, strict=True):
+        row = bool(ROW_PARALLEL_RE.search(module))
+        if (k if row else n) % tp:
+            raise ValueError(
+                f"{module}: {'input' if row else 'output'} dim {k if row else n} is not divisible by --tp {tp}"
+            )
+        out.append((n, k // tp) if row else (n // tp, k))
+    return out
+
+
 def choose_group(shapes: list[tuple[int, int]], fmt: str, requested: int | None) -> int:
     """The group size (int4) or block edge (FP8): the largest of 128/64/32 that tiles every target.
 
-    int4 groups run along the input dim only; FP8 blocks tile both dims (vLLM's block-FP8 layers
-    require the per-rank output and input sizes to be block multiples).
+    ``shapes`` are per-rank (``per_rank_shapes``): vLLM's quantized layers need every rank's slice
+    to hold whole groups. int4 groups run along the input dim only; FP8 blocks tile both dims.
     """
     dims = [k for _, k in shapes] + ([n for n, _ in shapes] if fmt == "fp8-block" else [])
     if requested is not None:
         bad = sorted({d for d in dims if d % requested})
         if bad:
             raise ValueError(
-                f"--group-size {requested} does not divide the target dims {bad}; "
-                f"choose one dividing all of them (or omit it to pick one)"
+                f"--group-size {requested} does not divide the per-rank target dims {bad}; "
+                f"choose one dividing all of them (or omit it to pick one), or a smaller --tp"
             )
         return requested
     for g in GROUP_CHOICES:
@@ -268,8 +285,12 @@ def convert_checkpoint(
     group_size: int | None = None,
     scales: str = "absmax",
     dequantized: bool = False,
+    tp: int = 1,
 ) -> Path:
     """Write ``out``: ``src`` with its targets in ``fmt`` (or, ``dequantized``, the bf16 twin).
+
+    ``tp``: the largest tensor-parallel size the checkpoint must serve at; groups/blocks are chosen
+    so that each rank's slice holds whole ones.
 
     Works shard by shard (each input ``*.safetensors`` file becomes one output file of the same
     name, plus the weight-map index), so a real checkpoint never has to fit in memory at once.
@@ -287,7 +308,8 @@ def convert_checkpoint(
     mods = targets(names, scope)
     if not mods:
         raise ValueError(f"{src}: no {scope} projections found to quantize")
-    plan = Plan(fmt, scope, choose_group([shapes[f"{m}.weight"] for m in mods], fmt, group_size), scales)
+    rank_shapes = per_rank_shapes(mods, [shapes[f"{m}.weight"] for m in mods], tp)
+    plan = Plan(fmt, scope, choose_group(rank_shapes, fmt, group_size), scales)
     sch = scheme(plan)
     wanted = set(mods)
     out.mkdir(parents=True, exist_ok=True)
@@ -339,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, help="int4 group / FP8 block edge (default: 128, 64 or 32)")
     p.add_argument("--scales", choices=SCALE_MODES, default="absmax")
     p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel size to serve at (groups fit each rank)"
+    )
+    p.add_argument(
         "--dequantized", action="store_true", help="write the bf16 twin with the dequantized values"
     )
     a = p.parse_args(argv)
@@ -351,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             group_size=a.group_size,
             scales=a.scales,
             dequantized=a.dequantized,
+            tp=a.tp,
         )
     except (ValueError, OSError) as exc:
         print(f"quantize: {exc}", flush=True)

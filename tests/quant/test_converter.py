@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from model.quantize import EXPERT_RE, KEEP_RE, choose_group, convert_checkpoint
+from model.quantize import EXPERT_RE, KEEP_RE, choose_group, convert_checkpoint, per_rank_shapes
 
 from .conftest import CASES
 
@@ -122,8 +122,19 @@ def test_group_size_follows_the_shapes_and_bad_choices_are_refused(tmp_path):
     assert choose_group([(64, 128), (128, 64)], "w4a16", None) == 64
     assert choose_group([(96, 192), (192, 96)], "w4a16", None) == 32
     assert choose_group([(256, 512)], "fp8-block", None) == 128
-    with pytest.raises(ValueError, match=r"--group-size 128 does not divide the target dims \[64\]"):
+    with pytest.raises(ValueError, match=r"--group-size 128 does not divide the per-rank target dims \[64\]"):
         choose_group([(64, 128), (128, 64)], "w4a16", 128)
+
+
+def test_groups_fit_each_tensor_parallel_rank(quant_checkpoints, tmp_path):
+    experts = ["m.layers.0.mlp.experts.0.gate_proj", "m.layers.0.mlp.experts.0.down_proj"]
+    # The real config at TP=4: intermediate 512 -> 128 per rank, so group 128 still fits.
+    assert choose_group(per_rank_shapes(experts, [(512, 2048), (2048, 512)], 4), "w4a16", None) == 128
+    assert per_rank_shapes(experts, [(64, 128), (128, 64)], 2) == [(32, 128), (128, 32)]
+    with pytest.raises(ValueError, match=r"down_proj: input dim 64 is not divisible by --tp 3"):
+        per_rank_shapes(experts, [(63, 128), (128, 64)], 3)
+    out = convert_checkpoint(quant_checkpoints["tiny"], tmp_path / "tp2", "w4a16", tp=2)
+    assert _qconfig(out)["config_groups"]["group_0"]["weights"]["group_size"] == 32  # 64 at TP=1
 
 
 def test_refuses_an_already_quantized_source(quant_checkpoints, tmp_path):

@@ -3,8 +3,10 @@
 The same pairs as ``tests/quant/test_cpu_parity.py``: the converter's int4 (compressed-tensors
 W4A16, pack-quantized) and FP8 block-scaled checkpoints of the test presets against bf16 twins that
 hold exactly the dequantized values (power-of-two scales). On an RTX 3090 (no FP8 math) vLLM runs
-W4A16 experts and linears through Marlin and FP8 block weights as W8A16 Marlin; on Hopper it may
-pick other kernels for FP8, which are checked the same way. Skipped without CUDA and vLLM's CUDA
+W4A16 experts and linears through Marlin and FP8 block weights as W8A16 Marlin where the shapes
+allow (Marlin MoE needs hidden % 128: tiny's 128 does, wide's 192 does not, so wide exercises vLLM's
+other W4A16 kernels; Marlin linears need input % 128 and output % 64 per rank); on Hopper vLLM may
+pick other kernels for FP8. Every pair is checked the same way, whatever kernel ran. Skipped without CUDA and vLLM's CUDA
 build (``tests/gpu/conftest.py``). Not yet run: written on a CPU-only machine.
 
 Run: ``python -m pytest tests/gpu/test_quant_marlin.py -v``

@@ -4,7 +4,7 @@ Run on a CUDA machine (no vLLM needed, torch + Triton only) from the repository 
 
     PYTHONPATH=. python3 bench/gpu_qsa_kernels.py [--compress-ratio 4] [--skip-bench]
 
-The pass/fail judges (E4M3 decode bit-exact on all 254 finite codes, 34 kernel cases against the
+The pass/fail judges (E4M3 decode bit-exact on all 254 finite codes, 32 kernel cases against the
 torch reference, CUDA-graph replay with tensor scales) live in ``tests/gpu/test_qsa_kernel.py``;
 this script only times.
 

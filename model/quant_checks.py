@@ -159,12 +159,15 @@ class TensorChecker:
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
-        """Re-raise loading errors (shape asserts in vLLM's weight loaders) naming the tensor."""
+        """Re-raise loading errors (shape asserts in vLLM's weight loaders) naming the tensor.
+
+        ValueErrors pass through: ours and the PLE loader's name their tensor already, and so does
+        vLLM's "no module or parameter named ..."."""
         try:
             yield
-        except QuantConfigError:
+        except ValueError:
             raise
-        except (AssertionError, RuntimeError, ValueError, KeyError, IndexError) as exc:
+        except (AssertionError, RuntimeError, KeyError, IndexError) as exc:
             if self.current is None or not self.quantized:
                 raise
             name, shape, dtype = self.current

@@ -178,6 +178,12 @@ BROKEN = {
         r"checkpoint tensor model\.layers\.0\.mlp\.experts\.0\.\w+_proj\.weight_scale has shape \[\d+, \d\], but "
         r"quantization_config \(compressed-tensors: group_size 32 over a \d+ x \d+ weight\) needs",
     ),
+    "wrong_group_size_dense": (
+        "tiny-w4a16-dense",
+        _broken_group,
+        r"loading checkpoint tensor model\.layers\.\d+\.\S+\.weight_\w+ \(torch\.\w+, \[[\d, ]+\]\) failed under "
+        r"quantization_config \(compressed-tensors\): AssertionError",
+    ),
     "missing_scale": (
         "tiny-w4a16",
         _missing_scale,

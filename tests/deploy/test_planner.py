@@ -101,7 +101,9 @@ def test_compose_and_chart_defaults_come_from_the_plan(plan):
     assert float(env["QWEN4EXP_GPU_MEMORY_UTILIZATION"]) == values["engine"]["gpuMemoryUtilization"]
     assert values["engine"]["gpuMemoryUtilization"] == plan.options.gpu_memory_utilization
     assert env["QWEN4EXP_KV_CACHE_DTYPE"] == values["engine"]["kvCacheDtype"] == plan.options.kv_cache_dtype
-    assert int(values["resources"]["memory"].removesuffix("Gi")) >= plan.memory_request_gib  # requests == limits
+    assert (
+        int(values["resources"]["memory"].removesuffix("Gi")) >= plan.memory_request_gib
+    )  # requests == limits
     assert values["shmSize"] == f"{int(plan.options.shm_gib)}Gi"
 
 

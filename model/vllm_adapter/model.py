@@ -26,7 +26,12 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.model_executor.models.qwen3_next import Qwen3NextSparseMoeBlock
-from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, extract_layer_index
+from vllm.model_executor.models.utils import (
+    AutoWeightsLoader,
+    WeightsMapper,
+    extract_layer_index,
+    maybe_prefix,
+)
 from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
@@ -161,14 +166,14 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
         self.config = config
         quant_name = vllm_config.quant_config and vllm_config.quant_config.get_name()
         try:
-            self.model = Qwen4ExpModel(vllm_config=vllm_config, prefix=_join(prefix, "model"))
+            self.model = Qwen4ExpModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         except NotImplementedError as exc:
             raise explain_construction_error(exc, quant_name) from exc
         self.lm_head = ParallelLMHead(
             config.vocab_size,
             config.hidden_size,
             quant_config=vllm_config.quant_config,
-            prefix=_join(prefix, "lm_head"),
+            prefix=maybe_prefix(prefix, "lm_head"),
         )
         self._quant_name = quant_name
         self._hf_quant_config = getattr(vllm_config.model_config.hf_config, "quantization_config", None)
@@ -318,10 +323,6 @@ class Qwen4ExpForConditionalGeneration(Qwen4ExpForCausalLM):
         logger.warning(
             "Qwen4ExpForConditionalGeneration: serving the language model only; the vision tower is not loaded"
         )
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 _LM_PREFIX = re.compile(r"^model\.language_model\.")

@@ -27,6 +27,7 @@ import torch
 
 from model.kernels.ple_gather import default_launch_config, ple_gather
 from model.ops.ple_storage import alloc_pinned_host, make_storage
+from tests.gpu.ple_gather_cases import same
 
 GiB = 1 << 30
 DEV = torch.device("cuda", 0)
@@ -58,16 +59,6 @@ def check(name: str, ok: bool, detail: str = "") -> None:
     log(f"[{'PASS' if ok else 'FAIL'}] {name}{(' ' + detail) if detail else ''}")
     if not ok:
         FAILURES.append(name)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.uint8)
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.cpu(), b.cpu()
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:

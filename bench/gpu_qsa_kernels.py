@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from model.kernels import qsa_sparse_attention as K
-from model.ops.fp8_e4m3 import encode_e4m3, encode_e5m2
+from model.ops.fp8_e4m3 import encode_e4m3
 
 # ----------------------------------------------------------------------------------------- helpers
 
@@ -84,14 +84,6 @@ def copy_bandwidth(device: torch.device, nbytes: int, timer: Timer) -> float:
     dst = torch.empty_like(src)
     us = timer(lambda: dst.copy_(src), iters=10)
     return 2 * nbytes / (us * 1e-6) / 1e9
-
-
-def encode(x: torch.Tensor, kv_format: str, scale: float) -> torch.Tensor:
-    if kv_format == "fp8_e4m3":
-        return encode_e4m3(x, scale)
-    if kv_format == "fp8_e5m2":
-        return encode_e5m2(x, scale)
-    return x
 
 
 # ------------------------------------------------------------------------------------- 3. bench

@@ -89,25 +89,15 @@ class World:
         ops.scatter_rows_(self.cache, self.slots, ops.fp8_rows(k8, v8, self.index_k, torch.bfloat16))
         if self.device.type == "cuda" or K._interpreting():
             K.sparse_paged_attention(
-                self.q,
-                self.k_view(),
-                self.v_view(),
-                self.block_table,
-                self.token_req,
-                self.selected,
-                self.num_selected,
-                self.scale,
-                st.k_scale,
-                st.v_scale,
-                num_splits=self.num_splits,
-                kv_format=FP8_E4M3,
-                out=self.out,
+                *self.attention_args(), num_splits=self.num_splits, kv_format=FP8_E4M3, out=self.out
             )
         else:
             self.out.copy_(self.reference())
 
-    def reference(self) -> torch.Tensor:
-        return sparse_paged_attention_ref(
+    def attention_args(self) -> tuple:
+        """The positional arguments the kernel and its reference share."""
+        st = self.state
+        return (
             self.q,
             self.k_view(),
             self.v_view(),
@@ -116,10 +106,12 @@ class World:
             self.selected,
             self.num_selected,
             self.scale,
-            self.state.k_scale,
-            self.state.v_scale,
-            kv_format=FP8_E4M3,
+            st.k_scale,
+            st.v_scale,
         )
+
+    def reference(self) -> torch.Tensor:
+        return sparse_paged_attention_ref(*self.attention_args(), kv_format=FP8_E4M3)
 
     def make_inputs(self, step: int, k_scale: float, v_scale: float) -> dict[str, torch.Tensor]:
         """Host tensors of one decode step: ``t - 2`` real tokens of distinct requests, 2 padding rows.

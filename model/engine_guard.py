@@ -29,9 +29,6 @@ from model import envs
 
 log = logging.getLogger("qwen4exp.engine_guard")
 
-FATAL_FILE_ENV = envs.ENGINE_FATAL_FILE
-FAULT_TOKEN_ENV = envs.FAULT_INJECT_TOKEN
-FATAL_FAULT_TOKEN_ENV = envs.FAULT_INJECT_FATAL_TOKEN
 MAX_CONSECUTIVE_FAILURES = 3
 
 # Text of failures after which the process or device must not be trusted again.
@@ -69,7 +66,7 @@ def step_request_ids(scheduler_output) -> list[str]:
 
 
 def write_fatal_reason(reason: str) -> None:
-    path = envs.read(FATAL_FILE_ENV)
+    path = envs.read(envs.ENGINE_FATAL_FILE)
     if path is None:
         return
     try:
@@ -164,7 +161,7 @@ def fault_injector():
     returns None and costs nothing.
     """
     faults = {}
-    for env, fatal in ((FAULT_TOKEN_ENV, False), (FATAL_FAULT_TOKEN_ENV, True)):
+    for env, fatal in ((envs.FAULT_INJECT_TOKEN, False), (envs.FAULT_INJECT_FATAL_TOKEN, True)):
         token_id = envs.read(env)
         if token_id is not None:
             faults[token_id] = fatal
@@ -179,6 +176,6 @@ def fault_injector():
             if bool((input_ids == token_id).any()):
                 if fatal:
                     raise RuntimeError(f"CUDA error: injected fatal fault (token {token_id})")
-                raise ValueError(f"injected fault: token {token_id} in the step ({FAULT_TOKEN_ENV})")
+                raise ValueError(f"injected fault: token {token_id} in the step ({envs.FAULT_INJECT_TOKEN})")
 
     return check

@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 
 from pydantic import ValidationError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import send_error
+from .guards import read_body, replaying
 
 
 def request_models() -> dict[str, type]:
@@ -55,26 +56,11 @@ class BodyValidation:
         if model is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        body = await read_body(receive)  # BodyLimit, before this, has capped and buffered it
+        if body is None:
+            return
         crash = validation_crash(model, body)
         if crash is not None:
             await send_error(send, 400, f"Invalid request body: {crash}", "invalid_request")
             return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)

@@ -19,6 +19,43 @@ from .errors import send_error
 from .lifecycle import Lifecycle
 
 
+class BodyTooLarge(Exception):
+    """The request body exceeded the limit while it was being read."""
+
+
+async def read_body(receive: Receive, max_bytes: int | None = None) -> bytes | None:
+    """The whole request body; None if the client disconnected first. :class:`BodyTooLarge` as
+    soon as more than ``max_bytes`` arrived (a chunked body has no Content-Length to check)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if max_bytes is not None and size > max_bytes:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the app ``body`` once, then the server's own ``receive`` again (so
+    the app still learns about a disconnect)."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 class BearerAuth:
     """Require ``Authorization: Bearer <key>`` except on ``open_paths`` (probes, optionally metrics)."""
 
@@ -71,30 +108,13 @@ class BodyLimit:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await self._too_large(send)
             return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.max_bytes:
-                await self._too_large(send)
-                return
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        try:
+            body = await read_body(receive, self.max_bytes)
+        except BodyTooLarge:
+            await self._too_large(send)
+            return
+        if body is not None:
+            await self.app(scope, replaying(body, receive), send)
 
     async def _too_large(self, send: Send) -> None:
         await send_error(

@@ -26,7 +26,7 @@ from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.launcher import NoSignalServer
 from vllm.version import __version__ as vllm_version
 
-from model.engine_guard import FATAL_FILE_ENV
+from model import envs
 
 from . import http_metrics
 from .app import build_app
@@ -86,7 +86,7 @@ async def watch_engine(app) -> None:
 
 def engine_death_reason() -> str:
     """What the engine core wrote before it died (``model.engine_guard``), else a pointer to the log."""
-    path = os.environ.get(FATAL_FILE_ENV)
+    path = envs.read(envs.ENGINE_FATAL_FILE)
     try:
         reason = Path(path).read_text().strip() if path else ""
     except OSError:
@@ -99,7 +99,7 @@ async def serve(settings: ServiceSettings, sock: socket.socket) -> int:
     # The engine core (a child process, which inherits this) writes its fatal reason here.
     fatal_fd, fatal_path = tempfile.mkstemp(prefix="qwen4exp-engine-fatal-")
     os.close(fatal_fd)
-    os.environ[FATAL_FILE_ENV] = fatal_path
+    os.environ[envs.ENGINE_FATAL_FILE] = fatal_path
     lifecycle = Lifecycle()
     app, asgi = build_app(settings, args, lifecycle, device)
     http_metrics.SERVICE_INFO.labels(

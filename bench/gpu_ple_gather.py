@@ -26,7 +26,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from model.kernels.ple_gather import default_launch_config, ple_gather
-from model.ops.ple_storage import alloc_pinned_host, make_storage
+from model.ops.ple_host_memory import alloc_pinned_host
+from model.ops.ple_storage import make_storage
 from tests.gpu.ple_gather_cases import same
 
 GiB = 1 << 30

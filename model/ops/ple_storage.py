@@ -29,9 +29,6 @@ import torch
 
 from model.kernels import ple_gather as _pg
 from model.ops.ple_host_memory import alloc_host_tensor
-from model.ops.ple_host_memory import (
-    alloc_pinned_host as alloc_pinned_host,  # re-export: bench/gpu_ple_gather.py
-)
 from model.ops.ple_prefetch import SideStreamPrefetch
 from model.ops.ple_tables import FORMATS, PleTable, fp32_exact, lookup_raw_ref, lookup_ref, row_shapes
 from model.ops.ple_uva import check_uva_support

@@ -5,11 +5,16 @@ stands in for it here it would pick FlashInfer's sm_90-only prefill. The service
 vLLM's ``additional_config`` (a 3090 deployment never needs one), so the GPU tests start it through
 this shim, which only appends ``--additional-config '{"gdn_prefill_backend": "triton"}'`` to the
 engine flags the service derives from its settings. Everything else is ``service.__main__.main``.
+
+``GPU_TEST_KV_CACHE_BYTES`` (tests only) also appends ``--kv-cache-memory-bytes``: vLLM then skips
+its memory profiling, whose free-memory snapshots go wrong when other test engines start or stop on
+the same GPU at the same time (it raises "Error in memory profiling").
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from service import prometheus_dir
@@ -25,7 +30,10 @@ def _create_then_patch():
     original = engine.cli_args
 
     def cli_args(settings, device):
-        return [*original(settings, device), "--additional-config", json.dumps(CUDA_ADDITIONAL_CONFIG)]
+        extra = ["--additional-config", json.dumps(CUDA_ADDITIONAL_CONFIG)]
+        if kv_bytes := os.environ.get("GPU_TEST_KV_CACHE_BYTES"):
+            extra += ["--kv-cache-memory-bytes", kv_bytes]
+        return [*original(settings, device), *extra]
 
     engine.cli_args = cli_args
     return path

@@ -21,6 +21,8 @@ from tests.conftest import ensure_checkpoint
 from tests.parity.prompts import parity_prompts
 from tests.quant.parity import compare, greedy_with_logprobs
 
+from .engine import cuda_engine_args
+
 pytestmark = pytest.mark.vllm_cuda
 
 MAX_NEW_TOKENS = 16
@@ -51,7 +53,7 @@ def test_quantized_generation_equals_dequantized_twin_on_cuda(checkpoints, name)
     from transformers import AutoTokenizer
 
     prompts = parity_prompts(AutoTokenizer.from_pretrained(checkpoints[name]))
-    engine = dict(max_num_seqs=8, gpu_memory_utilization=0.3)
+    engine = cuda_engine_args(max_num_seqs=8, gpu_memory_utilization=0.3)
     got = greedy_with_logprobs(checkpoints[name], prompts, MAX_NEW_TOKENS, **engine)
     want = greedy_with_logprobs(checkpoints[f"{name}-deq"], prompts, MAX_NEW_TOKENS, **engine)
     problems = compare(got, want)

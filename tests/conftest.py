@@ -24,6 +24,15 @@ os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
 PINNED = ROOT / "tests" / "data" / "checkpoints"
 
 
+def pythonpath_with(root: Path) -> str:
+    """``PYTHONPATH`` for a child process: ``root`` first, then whatever the parent had.
+
+    Replacing the variable would hide a vLLM that comes through it (the carried stack that
+    ``scripts/device`` runs the suite with) instead of from the venv.
+    """
+    return os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+
+
 def ensure_checkpoint(preset: str) -> Path:
     """The pinned copy of a preset if there is one, else ``checkpoints/<preset>``, generated if missing."""
     if (PINNED / preset / "model.safetensors").exists():

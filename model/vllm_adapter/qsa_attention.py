@@ -18,6 +18,13 @@ block size, its own metadata, and on vLLM 0.32 a larger scheduler block (see vll
 index key stays unquantised because block selection ranks mean-pooled keys and should not move with
 the cache format. The attention reads codes with the Triton kernel on CUDA (sm_86+) and with the
 torch reference on vLLM's CPU build; both fold the scales in.
+
+Prefix caching: the page is a plain ``FullAttentionSpec``, so vLLM hashes and shares its blocks
+like any attention cache. Every step pools the block keys from the raw index keys in the cached
+rows (``pooled_block_keys``), so a request that starts from a prefix-cache hit, even one ending
+inside a compression block, selects exactly as if it had computed the prefix itself: nothing of
+the prefix needs recomputing. (Upstream vLLM's qwen4_exp keeps the raw keys of the open block in a
+ring buffer that is not prefix-cacheable, next to a cache of pooled keys.)
 """
 
 from __future__ import annotations

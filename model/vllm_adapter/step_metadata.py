@@ -1,10 +1,22 @@
 """Per-step request metadata for our QSA cache and PLE state layers.
 
 Both layers need the same facts about the batch: request boundaries, how many tokens of each
-request were computed before this step, the block table (for QSA pages, or column 0 as the PLE
-state slot) and the slot of every new token. vLLM's ``CommonAttentionMetadata`` carries all of
+request were computed before this step, the block table (for QSA pages) or the state slot (for a
+PLE state) and the slot of every new token. vLLM's ``CommonAttentionMetadata`` carries all of
 them, so one tiny builder serves both layers; it works on the CPU runner, which cannot run
 vLLM's Triton-based helpers.
+
+State slot of a Mamba-style layer (the PLE state): with prefix caching off (``mamba_cache_mode``
+``"none"``) a request owns one state block, column 0 of its block-table row. With prefix caching on
+(``"align"``) the row has one column per ``mamba_block_size`` tokens; the running state lives in
+the column of the step's last token, ``(seq_len - 1) // block_size``. Before the step vLLM's runner
+copies the previous state into that column (``preprocess_mamba``, through the model's
+``get_mamba_state_copy_funcs``), and after a chunk that ends on a block boundary the column keeps
+the state of exactly that prefix, which is what a later prefix-cache hit resumes from. Column 0
+is then only the first block's checkpoint, and once vLLM frees skipped blocks it is the shared
+null block: reading or writing it there gives other requests' state (wrong tokens, no error).
+We pick the column with vLLM's own ``mamba_get_block_table_tensor``, the function vLLM's GDN
+builder uses, so the PLE and GDN states of a request always move together.
 """
 
 from __future__ import annotations
@@ -19,6 +31,8 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
+from vllm.v1.kv_cache_interface import MambaSpec
 
 
 @dataclass
@@ -29,6 +43,8 @@ class StepMetadata:
     block_table: torch.Tensor  # [R, max_blocks] int32, on the model's device
     slot_mapping: torch.Tensor  # [T] int64, on the model's device
     num_actual_tokens: int
+    # [R] int64 running-state slot of each request (Mamba-style layers only, see the module doc)
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -48,13 +64,23 @@ class StepMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         qsl = m.query_start_loc_cpu[: m.num_reqs + 1].to(torch.int64)
         seq_lens = m.seq_lens[: m.num_reqs].to("cpu", torch.int64)
         query_lens = qsl[1:] - qsl[:-1]
+        block_table = m.block_table_tensor[: m.num_reqs]
+        state_slots = None
+        if isinstance(self.kv_cache_spec, MambaSpec):
+            state_slots = mamba_get_block_table_tensor(
+                block_table,
+                m.seq_lens[: m.num_reqs],
+                self.kv_cache_spec,
+                self.vllm_config.cache_config.mamba_cache_mode,
+            )[:, 0].long()
         return StepMetadata(
             query_start_loc=qsl,
             seq_lens=seq_lens,
             num_computed=seq_lens - query_lens,
-            block_table=m.block_table_tensor[: m.num_reqs],
+            block_table=block_table,
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
             num_actual_tokens=m.num_actual_tokens,
+            state_slots=state_slots,
         )
 
 

@@ -30,7 +30,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def effective_cudagraph_mode(worker) -> str:
+    """Run in each worker: the graph mode the engine core settled on.
+
+    The front end's config keeps what was asked for; the worker lowers it (e.g. to NONE when an
+    attention backend declares no graph support), so only the worker's copy says what ran.
+    """
+    return str(worker.vllm_config.compilation_config.cudagraph_mode)
+
+
 def child(spec: dict) -> dict:
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
@@ -54,9 +64,7 @@ def child(spec: dict) -> dict:
         **({"compilation_config": {"cudagraph_capture_sizes": sizes}} if graphs else {}),
     )
     result: dict = {"start_s": time.perf_counter() - t0, "tps": {}, "ttft_ms": {}}
-    # What vLLM actually ran: it turns graphs off (NONE) when a backend cannot be captured.
-    config = getattr(llm.llm_engine, "vllm_config", None)
-    result["cudagraph_mode"] = str(config.compilation_config.cudagraph_mode) if config else "unknown"
+    result["cudagraph_mode"] = ",".join(sorted(set(llm.collective_rpc(effective_cudagraph_mode))))
     vocab = llm.llm_engine.model_config.get_vocab_size()
     rng = random.Random(0)
     short = [rng.randrange(3, vocab) for _ in range(16)]

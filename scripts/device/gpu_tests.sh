@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu
 pin() { if command -v taskset >/dev/null; then taskset -c "$@"; else shift; "$@"; fi; }
 stream() {  # name cores limit_s pytest-args...
   local name=$1 cores=$2 limit=$3; shift 3
-  pin "$cores" timeout "$limit" python3 -m pytest -v -rA -p no:cacheprovider "$@" > "$out/$name.log" 2>&1
+  pin "$cores" timeout "$limit" python3 -m pytest -v -s -rA -p no:cacheprovider "$@" > "$out/$name.log" 2>&1
   echo "$name rc=$? $(tail -1 "$out/$name.log")" >> "$out/summary.txt"
 }
 : > "$out/summary.txt"

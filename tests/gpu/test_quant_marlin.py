@@ -57,4 +57,6 @@ def test_quantized_generation_equals_dequantized_twin_on_cuda(checkpoints, name)
     got = greedy_with_logprobs(checkpoints[name], prompts, MAX_NEW_TOKENS, **engine)
     want = greedy_with_logprobs(checkpoints[f"{name}-deq"], prompts, MAX_NEW_TOKENS, **engine)
     problems = compare(got, want)
+    # Printed at once (run with -s): a step limit that kills pytest would lose the assertion text.
+    print(f"{name}: {len(problems)} problem(s)", *problems, sep="\n", flush=True)
     assert not problems, f"{name} differs from its dequantized twin on CUDA:\n" + "\n".join(problems)

@@ -180,6 +180,9 @@ def service(tmp_path_factory):
         QWEN4EXP_KV_CACHE_DTYPE="fp8",
         QWEN4EXP_ENFORCE_EAGER="true",
         QWEN4EXP_MAX_MODEL_LEN="512",
+        # Off (the CPU default is on): the dashboard checks below include the prefix-cache panel's
+        # "prefix caching is off" state.
+        QWEN4EXP_PREFIX_CACHING="false",
         VLLM_QSA_KV_SCALES=str(scales),
         VLLM_QSA_KV_CLIP_COUNT="1",
         VLLM_CPU_KVCACHE_SPACE="1",

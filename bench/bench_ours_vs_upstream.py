@@ -30,9 +30,9 @@ Why each piece is the way it is:
 * Partial results: a child writes its JSON after every phase, with each phase's wall time. Engine
   phases run cheap first: start, memory, parity on the shortest prompt, tok/s per batch size, the
   shortest TTFT, then the longer parity prompts and TTFT lengths by length. A phase whose estimate
-  (the cheapest seconds per prompt token seen so far, times 1.5) exceeds the budget left is
-  skipped; one that runs past ``--phase-timeout`` (or the budget left) ends the child, and the
-  table marks every phase not reached as "timeout in <phase>".
+  (the cheapest seconds per prompt token seen so far, decode steps taken off, times 1.5) exceeds
+  the budget left is skipped; one that runs past ``--phase-timeout`` (or the budget left) ends the
+  child, and the table marks every phase not reached as "timeout in <phase>".
 * Parity margins: the reference keeps the top-5 log-probabilities of its raw logits at every step
   (the whole row for a small vocabulary), the engines return ``logprobs=5``; at the first divergent
   step a cell shows the reference's margin between its top-1 and the engine's token and the
@@ -419,10 +419,17 @@ def engine_child(spec: dict) -> dict:
     ttft_prompts = {
         n: [rng.randrange(spec["id_low"], spec["id_high"]) for _ in range(n)] for n in spec["ttft"]
     }
-    # Seconds per prompt token of each finished parity/TTFT phase. The estimate of a later one uses
-    # the smallest (the first call also pays one-time costs such as kernel compilation); a phase
-    # that still runs long is stopped by the phase alarm, and the long phases come last anyway.
-    rates: list[float] = []
+    # (wall s, prompt tokens, generated tokens) of each finished parity/TTFT phase. A later one is
+    # estimated from the smallest seconds per prompt token, after taking off the decode steps at
+    # the b1 rate once it is known (short prompts are mostly decode); the smallest, because the
+    # first call also pays one-time costs such as kernel compilation. A phase that still runs long
+    # is stopped by the phase alarm, and the long phases come last anyway.
+    walls: list[tuple[float, int, int]] = []
+
+    def prefill_rate() -> float | None:
+        step = 1.0 / result["tps"]["1"] if result["tps"].get("1") else 0.0
+        rates = [max(wall - new * step, 0.1 * wall) / tokens for wall, tokens, new in walls]
+        return min(rates) if rates else None
 
     def parity(n: int):
         t = time.perf_counter()
@@ -432,7 +439,7 @@ def engine_child(spec: dict) -> dict:
             result["notes"].append(f"parity {_label(n)} without logprobs ({last_line(exc)})")
             t = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": prompts[n]}], greedy_plain, use_tqdm=False)[0]
-        rates.append((time.perf_counter() - t) / n)
+        walls.append((time.perf_counter() - t, n, spec["parity_new"]))
         result["parity"][str(n)] = {
             "prompt_tokens": len(out.prompt_token_ids),
             "tokens": list(out.outputs[0].token_ids),
@@ -446,14 +453,14 @@ def engine_child(spec: dict) -> dict:
     def ttft(n: int):
         t = time.perf_counter()
         runs = _timed(llm, [{"prompt_token_ids": ttft_prompts[n]}], one, spec["repeats"], spec["device"])
-        rates.append((time.perf_counter() - t) / (n * (1 + spec["repeats"])))
+        walls.append((time.perf_counter() - t, n * (1 + spec["repeats"]), 1 + spec["repeats"]))
         result["ttft_ms"][str(n)] = statistics.median(dt * 1e3 for dt, _ in runs)
 
     fns = {"parity": parity, "tps": tps, "ttft": ttft}
     for name, kind, n in engine_phases(spec):
-        estimate = None
-        if kind != "tps" and rates:  # linear in prompt length, with a 1.5x margin
-            estimate = 1.5 * min(rates) * n * (1 + spec["repeats"] if kind == "ttft" else 1)
+        estimate, rate = None, prefill_rate()
+        if kind != "tps" and rate:  # linear in prompt length, with a 1.5x margin
+            estimate = 1.5 * rate * n * (1 + spec["repeats"] if kind == "ttft" else 1)
         prog.run(name, lambda f=fns[kind], n=n: f(n), estimate)
     return result
 
@@ -639,7 +646,9 @@ def render(args, results: dict, ref: dict, device_name: str, lens: list[int]) ->
         mem = r.get("memory") or {}
 
         def cell(value, fmt, phase, r=r):
-            return fmt.format(value) if value is not None else _missing(r, phase)
+            if value is None:
+                return _missing(r, phase)
+            return fmt.format(value) if abs(value) >= 10 else f"{value:.2g}"
 
         parity_cells = []
         for n in lens:

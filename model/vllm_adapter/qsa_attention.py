@@ -40,7 +40,7 @@ from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinea
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
 from model.kernels import qsa_sparse_attention as qsa_kernel
-from model.ops.qsa_indexer import pooled_block_keys, select_tokens
+from model.ops.qsa_indexer import pooled_block_keys, select_tokens, select_tokens_batched
 from model.ops.qsa_sparse_attention import sparse_paged_attention_ref
 from model.ops.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from model.qsa_kv import ops as kv_ops
@@ -313,9 +313,10 @@ class Qwen4ExpQSAAttention(nn.Module):
             block_keys = pooled_block_keys(
                 keys, self.ratio, self.indexer.k_layernorm.weight, self.indexer.k_layernorm.eps, self.inv_freq
             )
-            sel, count = select_tokens(
-                index_q[start:end], positions[start:end], block_keys, self.budget, self.ratio
-            )
+            # CUDA: the chunked selection (no per-query loop or host sync). CPU: the per-query loop,
+            # which matches transformers' op order and tie-breaking bit for bit (parity tests).
+            select = select_tokens_batched if index_q.is_cuda else select_tokens
+            sel, count = select(index_q[start:end], positions[start:end], block_keys, self.budget, self.ratio)
             selected[start:end] = sel
             num_selected[start:end] = count
         return cache.attend(q, meta.block_table, token_req, selected, num_selected, self.scale)

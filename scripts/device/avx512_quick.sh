@@ -12,8 +12,5 @@ t() { n=$1; c=$2; shift 2; taskset -c $c timeout 230 python3 -m pytest -q -rA -p
 t gdn 0-3 tests/unit/test_gdn_one_token.py &
 t planner 4-7 tests/deploy/test_planner_vs_vllm.py tests/deploy/test_cuda_preflight.py &
 t resil 8-11 tests/service/test_resilience.py -k "one_token or failing_request" &
-( export QWEN4EXP_MODEL=checkpoints/tiny QWEN4EXP_PORT=18123; taskset -c 12-15 python3 -m service > $L/serve.log 2>&1 & p=$!; for i in $(seq 200); do curl -sf localhost:18123/ready >/dev/null && break; sleep 1; done; echo "ready after ${i}s" >> $L/serve.txt
- for b in '{"model":"tiny","prompt":[5],"max_tokens":4}' '{"model":"tiny","prompt":"Hello there","max_tokens":8}'; do curl -s -o /dev/null -w "completions $b -> %{http_code}\n" localhost:18123/v1/completions -H 'content-type: application/json' -d "$b" >> $L/serve.txt; done
- curl -s -o /dev/null -w "chat -> %{http_code}\n" localhost:18123/v1/chat/completions -H 'content-type: application/json' -d '{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":8}' >> $L/serve.txt
- curl -s -o /dev/null -w "ready -> %{http_code}\n" localhost:18123/ready >> $L/serve.txt; kill -TERM $p; wait $p; echo "exit $?" >> $L/serve.txt ) &
+bash scripts/device/serve_smoke.sh $L 12-15 &
 wait; cat $L/summary.txt $L/serve.txt $L/host.txt

@@ -23,24 +23,7 @@ run() {  # name, pytest args...
 : > "$logs/summary.txt"
 run first tests/unit/test_gdn_one_token.py tests/deploy/test_planner_vs_vllm.py tests/deploy/test_planner.py \
   tests/parity tests/quant/test_cpu_parity.py tests/service/test_resilience.py
-# The quick start as scripts/serve.sh runs it (without its pip setup: the stack is carried).
-(
-  export QWEN4EXP_MODEL=checkpoints/tiny QWEN4EXP_HOST=127.0.0.1 QWEN4EXP_PORT=18123
-  "${pin[@]}" python3 -m service > "$logs/serve.log" 2>&1 & pid=$!
-  t0=$(date +%s); ok=0
-  for _ in $(seq 1 180); do
-    curl -sf localhost:18123/ready >/dev/null 2>&1 && { ok=1; break; }; sleep 1
-  done
-  echo "serve ready=$ok after $(( $(date +%s) - t0 )) s" >> "$logs/summary.txt"
-  name=$(curl -s localhost:18123/v1/models | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
-  curl -s -w ' http=%{http_code}\n' localhost:18123/v1/completions -H 'content-type: application/json' \
-    -d '{"model":"'"$name"'","prompt":[5],"max_tokens":4}' >> "$logs/serve_requests.txt" 2>&1
-  curl -s -w ' http=%{http_code}\n' localhost:18123/v1/chat/completions -H 'content-type: application/json' \
-    -d '{"model":"'"$name"'","messages":[{"role":"user","content":"hello"}],"max_tokens":8}' \
-    >> "$logs/serve_requests.txt" 2>&1
-  curl -s -o /dev/null -w 'ready after both: http=%{http_code}\n' localhost:18123/ready >> "$logs/serve_requests.txt"
-  kill -TERM $pid; wait $pid; echo "serve exit=$?" >> "$logs/summary.txt"
-)
+bash scripts/device/serve_smoke.sh "$logs" 8-15
 run rest tests --ignore=tests/gpu --ignore=tests/deploy/test_alert_rules.py --ignore=tests/deploy/test_compose.py \
   --ignore=tests/deploy/test_dockerfile.py --ignore=tests/deploy/test_helm.py --ignore=tests/deploy/test_prometheus.py \
   --ignore=tests/unit/test_gdn_one_token.py --ignore=tests/deploy/test_planner_vs_vllm.py \

@@ -5,8 +5,8 @@ Run on the GPU machine, from the repository root (vLLM's CUDA build in /tmp/site
 budgets keep the whole run (checkpoint ~40 s included) under about 9 minutes on an H200:
 
     PYTHONPATH=$PWD:/tmp/site python3 bench/bench_ours_vs_upstream.py \\
-        --make-checkpoint /tmp/qsa512 --out $OUT/ovu --impls upstream,ours-eager,ours \\
-        --timeouts reference=90,upstream=150,ours-eager=140,ours=110 --phase-timeout 60
+        --make-checkpoint /tmp/qsa512 --out $OUT/ovu --impls upstream,ours-eager,ours-loop \\
+        --timeouts reference=90,upstream=150,ours-eager=140,ours-loop=110 --phase-timeout 60
 
 Output (three files, whatever happens): ``results.json`` (every child's results, phase times and
 its last 200 log lines), ``bench_ours_vs_upstream.md`` (the table) and ``logs.tar.gz`` (the full
@@ -82,6 +82,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # downgrades it when the model declares no graph support, which the cudagraph_mode column shows.
 IMPLS: dict[str, tuple[dict[str, str], bool]] = {
     "ours-eager": ({"VLLM_USE_V2_MODEL_RUNNER": "0"}, True),
+    # The path the issue measured first: QSA selection one query at a time (the CPU reference loop).
+    "ours-loop": ({"VLLM_USE_V2_MODEL_RUNNER": "0", "QWEN4EXP_QSA_SELECTION": "loop"}, True),
     "ours": ({"VLLM_USE_V2_MODEL_RUNNER": "0"}, False),
     "upstream": ({"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_PLUGINS": "none"}, False),
 }
@@ -379,7 +381,7 @@ def engine_child(spec: dict) -> dict:
         max_logprobs=max(spec["logprobs"], 5),
     )
     if spec["device"] == "cuda":
-        engine_args["gpu_memory_utilization"] = 0.8
+        engine_args["gpu_memory_utilization"] = spec["gpu_mem"]
         if graphs:
             sizes = sorted({1, 2, 4, 8, 16, 32, 64, *spec["batches"]})
             engine_args["compilation_config"] = {"cudagraph_capture_sizes": sizes}
@@ -748,6 +750,9 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--kv-cache-gib", type=float, default=8.0, help="same cache pool for every engine")
+    p.add_argument(
+        "--gpu-mem", type=float, default=0.8, help="gpu_memory_utilization (lower it beside other GPU jobs)"
+    )
     p.add_argument("--timeout", type=int, default=300, help="seconds per child (hard kill)")
     p.add_argument(
         "--timeouts", help="per-child overrides, e.g. reference=120,ours-eager=150 (names of --impls)"
@@ -803,6 +808,7 @@ def main() -> int:
         "repeats": args.repeats,
         "max_model_len": args.max_model_len,
         "kv_cache_bytes": int(args.kv_cache_gib * 2**30),
+        "gpu_mem": args.gpu_mem,
         "id_low": 3,
         "id_high": id_high,
         "phase_timeout": args.phase_timeout,

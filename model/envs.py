@@ -80,6 +80,13 @@ def parse_positive_seconds(name: str, raw: str) -> float:
     return value
 
 
+def parse_selection(name: str, raw: str) -> str:
+    v = raw.strip().lower()
+    if v not in ("loop", "batched"):
+        raise EnvError(f"{name}={raw!r} is not a valid value: use loop or batched, or leave it unset")
+    return v
+
+
 def parse_path(name: str, raw: str) -> Path:
     return Path(raw.strip())
 
@@ -136,6 +143,7 @@ PLE_PREFETCH = "VLLM_PLE_PREFETCH"
 ENGINE_FATAL_FILE = "QWEN4EXP_ENGINE_FATAL_FILE"
 FAULT_INJECT_TOKEN = "QWEN4EXP_FAULT_INJECT_TOKEN"
 FAULT_INJECT_FATAL_TOKEN = "QWEN4EXP_FAULT_INJECT_FATAL_TOKEN"
+QSA_SELECTION = "QWEN4EXP_QSA_SELECTION"
 
 DEFAULT_COLLECT_INTERVAL_S = 30.0
 
@@ -209,6 +217,17 @@ VARIABLES: tuple[EnvVar, ...] = (
         "starts on a side stream just before the preceding decoder layer; buffers are reserved at model "
         "construction, before graph capture.",
         "use 1 or 0 (true/false, yes/no, on/off), or unset it",
+    ),
+    EnvVar(
+        QSA_SELECTION,
+        parse_selection,
+        None,
+        "`batched` with CUDA, `loop` on CPU",
+        "How the QSA indexer picks key blocks. `batched`: one masked score matmul and one top-k per "
+        "chunk of queries, no host sync. `loop`: one query at a time in transformers' operation order "
+        "(exact tie-breaking; the CPU parity reference). Same selection on tie-free scores; for "
+        "benchmarks and diagnosis.",
+        "use loop or batched, or unset it",
     ),
     EnvVar(
         ENGINE_FATAL_FILE,
@@ -296,6 +315,16 @@ def ple_prefetch(cuda: bool, env: Mapping[str, str] | None = None) -> bool:
     """
     flag = read(PLE_PREFETCH, env)
     return cuda if flag is None else flag
+
+
+def qsa_selection(cuda: bool, env: Mapping[str, str] | None = None) -> str:
+    """``QWEN4EXP_QSA_SELECTION``: ``"batched"`` or ``"loop"`` (default: batched only with CUDA).
+
+    The CPU default is the loop because the parity tests compare against transformers bit for bit,
+    and only the loop breaks exact relu-zero ties the way the reference does.
+    """
+    choice = read(QSA_SELECTION, env)
+    return ("batched" if cuda else "loop") if choice is None else choice
 
 
 def markdown_rows() -> list[str]:

@@ -39,6 +39,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
+from model import envs
 from model.kernels import qsa_sparse_attention as qsa_kernel
 from model.ops.qsa_indexer import pooled_block_keys, select_tokens, select_tokens_batched
 from model.ops.qsa_sparse_attention import sparse_paged_attention_ref
@@ -233,6 +234,7 @@ class Qwen4ExpQSAAttention(nn.Module):
         self.index_dim = config.indexer_head_dim
         self.budget = config.indexer_budget
         self.ratio = config.indexer_compress_ratio
+        self._selection: str | None = None  # "batched" | "loop", see _batched_selection
         self.scale = self.head_dim**-0.5
         eps = config.rms_norm_eps
         rope = config.rope_parameters or {}
@@ -292,6 +294,11 @@ class Qwen4ExpQSAAttention(nn.Module):
         out, _ = self.o_proj(out)
         return out
 
+    def _batched_selection(self, index_q: torch.Tensor) -> bool:
+        if self._selection is None:  # read once, at the first real step (the device is known then)
+            self._selection = envs.qsa_selection(index_q.is_cuda)
+        return self._selection == "batched"
+
     def _attend(self, q, k, v, index_q, index_k, positions) -> torch.Tensor:
         meta = step_metadata(self.attn.prefix)
         if meta is None:  # profiling run: no cache bound to real requests
@@ -313,9 +320,10 @@ class Qwen4ExpQSAAttention(nn.Module):
             block_keys = pooled_block_keys(
                 keys, self.ratio, self.indexer.k_layernorm.weight, self.indexer.k_layernorm.eps, self.inv_freq
             )
-            # CUDA: the chunked selection (no per-query loop or host sync). CPU: the per-query loop,
-            # which matches transformers' op order and tie-breaking bit for bit (parity tests).
-            select = select_tokens_batched if index_q.is_cuda else select_tokens
+            # Default: CUDA the chunked selection (no per-query loop or host sync), CPU the
+            # per-query loop, which matches transformers' op order and tie-breaking bit for bit
+            # (parity tests); QWEN4EXP_QSA_SELECTION overrides (benchmarks, diagnosis).
+            select = select_tokens_batched if self._batched_selection(index_q) else select_tokens
             sel, count = select(index_q[start:end], positions[start:end], block_keys, self.budget, self.ratio)
             selected[start:end] = sel
             num_selected[start:end] = count

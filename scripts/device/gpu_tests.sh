@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the lent GPU machine, after unpack.sh: the GPU judges that start engines, three streams at once
 # (each engine reserves its KV cache by size, so vLLM's memory profiling is not confused by the
-# others): engine parity (eager + chunked), the service on CUDA, quantized pairs through Marlin.
-# Logs and a summary go to $1.
+# others): engine parity (eager + chunked), the service on CUDA, quantized pairs through Marlin,
+# and (named in STREAMS) the kernel judges + batched QSA selection, prefix caching on CUDA.
+# Logs and a summary go to $1. STREAMS picks the streams (default "parity service marlin").
 set -uo pipefail
 out=${1:?log dir}; mkdir -p "$out"
 cd "$(dirname "$0")/../.."
@@ -16,9 +17,13 @@ stream() {  # name cores limit_s pytest-args...
   echo "$name rc=$? $(tail -1 "$out/$name.log")" >> "$out/summary.txt"
 }
 : > "$out/summary.txt"
-stream parity 0-2 "${PARITY_S:-420}" tests/gpu/test_engine_parity.py -k "${PARITY_K:-eager}" &
-stream service 3-5 "${SERVICE_S:-420}" tests/gpu/test_service_cuda.py &
-stream marlin 6-7 "${MARLIN_S:-420}" tests/gpu/test_quant_marlin.py -k "${MARLIN_K:-tiny-w4a16-all or tiny-fp8-experts or wide-w4a16-all}" &
+want() { [[ " ${STREAMS:-parity service marlin} " == *" $1 "* ]]; }
+want parity && stream parity 0-2 "${PARITY_S:-420}" tests/gpu/test_engine_parity.py -k "${PARITY_K:-eager}" &
+want service && stream service 3-5 "${SERVICE_S:-420}" tests/gpu/test_service_cuda.py &
+want marlin && stream marlin 6-7 "${MARLIN_S:-420}" tests/gpu/test_quant_marlin.py -k "${MARLIN_K:-tiny-w4a16-all or tiny-fp8-experts or wide-w4a16-all}" &
+want kernels && stream kernels 3-4 "${KERNELS_S:-300}" tests/gpu/test_ple_gather.py tests/gpu/test_qsa_clip.py \
+  tests/gpu/test_qsa_kernel.py tests/unit/test_qsa_batched_selection.py &
+want prefix && stream prefix 5 "${PREFIX_S:-420}" tests/gpu/test_prefix_cache_cuda.py &
 wait
 mkdir -p "$out/pytest-tmp"
 find /tmp/pytest-of-* -name "*.log" -size -4M -exec cp --backup=numbered {} "$out/pytest-tmp/" \; 2>/dev/null

@@ -13,7 +13,8 @@ on the others (the skip reason is the finding, with file and line in vllm 0.32.0
 * FP8 block experts: ``CPUExpertsFp8`` needs AMX (``cpu_moe.py:456-460``) and 128x128 weight blocks
   with 128-group activations (``cpu_moe.py:478-484``, ``kFp8Static128BlockSym``); the test presets'
   expert widths (64, 96) admit no 128 blocks. FP8 block *linears* need AMX too
-  (``kernels/linear/scaled_mm/cpu.py:241-242``).
+  (``kernels/linear/scaled_mm/cpu.py:241-242``). So FP8 experts are judged on ``qsa512`` (hidden 256,
+  experts 128 wide: 128x128 blocks fit), built only on AMX hosts (briefly trained, ~20 steps).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from model.quantize import convert_checkpoint
 from tests.conftest import ROOT
 from tests.parity.prompts import parity_prompts
 
@@ -74,3 +77,51 @@ def test_quantized_generation_equals_dequantized_twin_on_cpu(quant_checkpoints, 
     want = greedy_with_logprobs(quant_checkpoints[f"{case}-deq"], prompts, MAX_NEW_TOKENS, max_num_seqs=8)
     problems = compare(got, want)
     assert not problems, f"{case} differs from its dequantized twin:\n" + "\n".join(problems)
+
+
+def _amx_fp8_why_not() -> str | None:
+    if not torch.cpu._is_amx_tile_supported():
+        return "FP8 MoE on vLLM's CPU build needs AMX (CPUExpertsFp8, fused_moe/experts/cpu_moe.py:456-460)"
+    return None
+
+
+def test_fp8_experts_equal_dequantized_twin_on_amx_cpu(tmp_path_factory):
+    """FP8 128x128-block experts (``CPUExpertsFp8``) on the 128-wide ``qsa512`` experts."""
+    why = _amx_fp8_why_not()
+    if why:
+        pytest.skip(why)
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("qsa512_fp8")
+    src = root / "qsa512"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "model.checkpoints",
+            "--preset",
+            "qsa512",
+            "--out",
+            str(src),
+            "--train-steps",
+            "20",
+        ],
+        check=True,
+        cwd=ROOT,
+    )
+    paths: dict[str, Path] = {}
+    for deq in (False, True):
+        key = "deq" if deq else "fp8"
+        paths[key] = convert_checkpoint(
+            src, root / key, "fp8-block", scope="experts", scales="pow2", dequantized=deq
+        )
+    block = json.loads((paths["fp8"] / "config.json").read_text())["quantization_config"]["config_groups"][
+        "group_0"
+    ]
+    assert block["weights"]["block_structure"] == [128, 128], block
+    prompts = parity_prompts(AutoTokenizer.from_pretrained(paths["fp8"]))
+    del prompts["very_long_sparse"]
+    got = greedy_with_logprobs(paths["fp8"], prompts, MAX_NEW_TOKENS, max_num_seqs=8)
+    want = greedy_with_logprobs(paths["deq"], prompts, MAX_NEW_TOKENS, max_num_seqs=8)
+    problems = compare(got, want)
+    assert not problems, "qsa512 FP8 experts differ from their dequantized twin:\n" + "\n".join(problems)

@@ -45,3 +45,12 @@ def test_collect_dir_problems(tmp_path: Path):
     (tmp_path / "f").write_text("")
     assert "exists and is not a directory" in envs.collect_dir_problem(tmp_path / "f")
     assert "cannot create directory" in envs.collect_dir_problem(tmp_path / "f" / "sub")
+
+
+def test_qsa_selection_defaults_by_device_and_is_strict():
+    assert envs.qsa_selection(cuda=True, env={}) == "batched"
+    assert envs.qsa_selection(cuda=False, env={}) == "loop"
+    assert envs.qsa_selection(cuda=True, env={envs.QSA_SELECTION: " Loop "}) == "loop"
+    assert envs.qsa_selection(cuda=False, env={envs.QSA_SELECTION: "batched"}) == "batched"
+    with pytest.raises(envs.EnvError, match="QWEN4EXP_QSA_SELECTION='fast' is not a valid value"):
+        envs.qsa_selection(cuda=True, env={envs.QSA_SELECTION: "fast"})

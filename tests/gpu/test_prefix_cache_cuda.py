@@ -49,4 +49,5 @@ def test_prefix_hits_on_cuda_match_reference():
     assert cached["first"] == 0
     for name in ("again", "other_suffix", "second_turn"):
         assert cached[name] >= block, f"{name}: {cached[name]} cached tokens (block {block}), expected a hit"
-    assert_same(got, expected)
+    # run_in_order generates tests/prefix_cache's 16 tokens; the reference generates the parity length.
+    assert_same(got, {n: (t[: len(got[n])], lps[: len(got[n])]) for n, (t, lps) in expected.items()})

@@ -302,16 +302,44 @@ def check_cpu_kernels(quantized: dict[str, nn.Module]) -> None:
             )
 
 
-def explain_construction_error(exc: Exception, quant_name: str | None) -> Exception:
-    """vLLM's MoE constructor refuses int4 experts without saying why; say it, with the fix."""
+def int4_group_sizes(quant_config) -> set[int]:
+    """Group sizes of the 4-bit weight schemes of a compressed-tensors config (empty if none/unknown)."""
+    sizes = set()
+    for scheme in (getattr(quant_config, "target_scheme_map", None) or {}).values():
+        weights = scheme.get("weights") if isinstance(scheme, dict) else None
+        if weights is not None and getattr(weights, "num_bits", None) == 4:
+            sizes.add(-1 if weights.group_size is None else int(weights.group_size))
+    return sizes
+
+
+def explain_construction_error(
+    exc: Exception, quant_name: str | None, group_sizes: set[int] = frozenset()
+) -> Exception:
+    """vLLM's MoE constructor refuses int4 experts without saying why; say it, with the fix.
+
+    Two causes on vLLM's CPU build: no int4 MoE kernel on this host at all, or (on an AMX host, which
+    has ``CPUExpertsInt4``) a group size of 32: vLLM keys 32-wide groups as ``kInt4Static32GroupScale``
+    (``compressed_tensors_moe_wna16.py:81-85``) and ``CPUExpertsInt4`` accepts only ``kInt4Static``
+    (``cpu_moe.py:863-869``), so such a checkpoint is refused there (seen on an Intel Xeon with AMX).
+    """
     from vllm.platforms import current_platform
 
-    if quant_name and current_platform.is_cpu() and "No WNA16 MoE backend" in str(exc):
+    if not (quant_name and current_platform.is_cpu() and "No WNA16 MoE backend" in str(exc)):
+        return exc
+    amx = torch.cpu._is_amx_tile_supported()
+    if amx and 32 in group_sizes:
         return QuantConfigError(
-            f"the checkpoint's routed experts are int4 ({quant_name}), and vLLM's CPU build has an int4 "
-            "MoE kernel only on x86 hosts with AMX tiles (CPUExpertsInt4, vllm/model_executor/layers/"
-            "fused_moe/experts/cpu_moe.py:840-844), with AMD's zentorch, or on Arm (cpu_int4_moe.py:60-63); "
-            f"this host has none (AMX: {torch.cpu._is_amx_tile_supported()}). Serve int4 experts on a GPU "
-            "(Marlin) or such a CPU, or serve the dequantized bf16 twin (python -m model.quantize --dequantized)"
+            f"the checkpoint's routed experts are int4 ({quant_name}) in groups of 32, and vLLM's CPU int4 "
+            "MoE kernel (CPUExpertsInt4, AMX) does not take 32-wide groups: vLLM keys them as "
+            "kInt4Static32GroupScale (compressed_tensors_moe_wna16.py:81-85), CPUExpertsInt4 accepts only "
+            "kInt4Static (fused_moe/experts/cpu_moe.py:863-869). Re-quantize with a group size of 64 or 128 "
+            "where the expert widths allow (python -m model.quantize --group-size 64), serve on a GPU "
+            "(Marlin), or serve the dequantized bf16 twin (python -m model.quantize --dequantized)"
         )
-    return exc
+    return QuantConfigError(
+        f"the checkpoint's routed experts are int4 ({quant_name}), and vLLM's CPU build has an int4 "
+        "MoE kernel only on x86 hosts with AMX tiles (CPUExpertsInt4, vllm/model_executor/layers/"
+        "fused_moe/experts/cpu_moe.py:840-844), with AMD's zentorch, or on Arm (cpu_int4_moe.py:60-63); "
+        f"this host has none (AMX: {amx}). Serve int4 experts on a GPU "
+        "(Marlin) or such a CPU, or serve the dequantized bf16 twin (python -m model.quantize --dequantized)"
+    )

@@ -347,8 +347,14 @@ def installed_vllm_build() -> str:
 
 
 def preflight_failure(device: str, gpus_needed: int) -> str | None:
-    """Start-up hook: the failure message for ``QWEN4EXP_DEVICE`` (``auto``/``cuda``/``cpu``), or None."""
-    if device == "cpu" or (device == "auto" and installed_vllm_build() == "cpu"):
+    """Start-up hook: the failure message for ``QWEN4EXP_DEVICE`` (``auto``/``cuda``/``cpu``), or None.
+
+    With vLLM's CPU build installed there is nothing for the driver check to say, whatever the
+    device asked for: ``cuda`` with a CPU build is a configuration error that the settings check
+    reports (exit 2, naming ``QWEN4EXP_DEVICE`` and the build) together with any other problem, and
+    a GPU count would only hide it (seen on a host with GPUs and vLLM's CPU build: exit 3).
+    """
+    if device == "cpu" or installed_vllm_build() == "cpu":
         return None
     return diagnose(gather(), gpus_needed)
 

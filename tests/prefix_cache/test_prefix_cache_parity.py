@@ -29,6 +29,7 @@ from tests.parity.reference import greedy, load_reference
 from tests.parity.test_generation_parity import assert_same
 
 MAX_NEW_TOKENS = 16
+PREFIX_LEN = 768
 
 
 def run_in_order(path, prompts: dict[str, list[int]], **engine_args) -> tuple[dict, dict, int]:
@@ -61,10 +62,15 @@ def case():
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     enc = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
-    # ~12 sentences: longer than three 128-token scheduler blocks.
-    prefix = enc(" ".join(SENTENCES[i % len(SENTENCES)] for i in (2, 7, 0, 9, 4, 1, 8, 3, 6, 5, 2, 7)))
+    # 768 tokens: three 256-token or six 128-token scheduler blocks (vLLM's CPU build picks 128 on
+    # AVX2 hosts and 256 on AVX512-BF16 ones, whose conv-state layout pads pages differently). A
+    # multiple of 256 on purpose: in align mode vLLM keeps a request's state only at the last block
+    # boundary it reached, so a later request sharing only the prefix can resume there only if no
+    # boundary lies inside the first request's suffix.
+    text = " ".join(SENTENCES[i % len(SENTENCES)] for i in (2, 7, 0, 9, 4, 1, 8, 3, 6, 5) * 3)
     # A document boundary just before the suffixes: PLE n-grams must restart at EOS after a hit too.
-    prefix += [eos]
+    prefix = enc(text)[: PREFIX_LEN - 1] + [eos]
+    assert len(prefix) == PREFIX_LEN
     first = prefix + enc(SENTENCES[1])
     # Length 4m + 3: with 2-token hash blocks the first turn's saved state ends at 4m + 2, inside a
     # compression block of 4.

@@ -50,7 +50,7 @@ def test_refuses_what_it_does_not_model(quant_checkpoints, tmp_path):
 def test_weights_equal_the_parameters_vllm_allocates(quant_checkpoints, case):
     """Byte for byte against the parameters vLLM's quantization methods created for our model
     (load probe: this host has no kernel to start an engine with quantized experts)."""
-    result = probe(quant_checkpoints[case], *_flags(case))
+    result = probe(quant_checkpoints[case], *_flags(case, quant_checkpoints[case]))
     assert "error" not in result, result["error"]
     vllm_bytes = sum(DTYPE_BYTES[d] * math.prod(shape) for d, shape in result["params"].values())
     config = load_config(quant_checkpoints[case])

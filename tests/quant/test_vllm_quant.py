@@ -43,14 +43,26 @@ def probe(path, *flags: str) -> dict:
     return json.loads(marker[-1].removeprefix("PROBE_JSON="))
 
 
-def _int4_moe_kernel_here() -> bool:
-    return torch.cpu._is_amx_tile_supported()
+def _int4_moe_kernel_for(path) -> bool:
+    """Whether vLLM's CPU int4 MoE kernel takes this checkpoint's experts on this host:
+    ``CPUExpertsInt4`` needs AMX and refuses 32-wide groups (``model.quant_checks.
+    explain_construction_error`` says why; ``wide``'s 96-wide experts get groups of 32)."""
+    if not torch.cpu._is_amx_tile_supported():
+        return False
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    groups = {
+        g["weights"].get("group_size")
+        for g in config["config_groups"].values()
+        if g["weights"]["num_bits"] == 4
+    }
+    return 32 not in groups
 
 
-def _flags(case: str) -> list[str]:
+def _flags(case: str, path) -> list[str]:
+    """Probe flags for a checkpoint of ``case``'s format at ``path`` (load-only where no kernel runs)."""
     _, fmt, scope = CASES[case]
     flags = ["--skip-kernel-check"]
-    if fmt == "w4a16" and scope != "dense" and not _int4_moe_kernel_here():
+    if fmt == "w4a16" and scope != "dense" and not _int4_moe_kernel_for(path):
         flags.append("--force-int4-moe-backend")
     return flags
 
@@ -65,7 +77,7 @@ KEEP = re.compile(r"(indexer\.index_qk_proj|in_proj_ba|mlp\.gate|shared_expert_g
 @pytest.mark.parametrize("case", ["tiny-w4a16", "tiny-fp8", "wide-w4a16", "wide-fp8"])
 def test_vllm_loads_the_checkpoint_into_the_declared_methods(quant_checkpoints, case):
     preset, fmt, scope = CASES[case]
-    result = probe(quant_checkpoints[case], *_flags(case))
+    result = probe(quant_checkpoints[case], *_flags(case, quant_checkpoints[case]))
     assert "error" not in result, result["error"]
     methods = result["methods"]
     config = json.loads((quant_checkpoints[preset] / "config.json").read_text())
@@ -221,7 +233,7 @@ def test_broken_quantized_checkpoint_fails_at_start_up_naming_the_tensor(quant_c
     base, edit, pattern = BROKEN[name]
     dst, tensors, config = edit(quant_checkpoints[base], tmp_path / name)
     _save(dst, tensors, config)
-    result = probe(dst, *_flags(base))
+    result = probe(dst, *_flags(base, dst))
     assert "error" in result, f"{name}: start-up should have failed"
     kind, message = result["error"]
     assert "QuantConfigError" in kind or "QuantConfigError" in message, result["error"]
@@ -264,7 +276,7 @@ def _cpu_library_has(op: str) -> bool:
 
 
 def test_int4_experts_without_a_cpu_moe_kernel_are_refused_with_the_reason(quant_checkpoints):
-    if _int4_moe_kernel_here():
+    if _int4_moe_kernel_for(quant_checkpoints["tiny-w4a16"]):
         pytest.skip("AMX host: vLLM's CPU int4 MoE can run")
     result = probe(quant_checkpoints["tiny-w4a16"])
     assert "error" in result
@@ -274,20 +286,30 @@ def test_int4_experts_without_a_cpu_moe_kernel_are_refused_with_the_reason(quant
     ), result["error"]
 
 
+def test_int4_experts_in_groups_of_32_on_an_amx_host_are_refused_with_the_reason(quant_checkpoints):
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("no AMX: the no-kernel refusal above covers this host")
+    result = probe(quant_checkpoints["wide-w4a16"])
+    assert "error" in result
+    assert re.search(
+        r"int4 \(compressed-tensors\) in groups of 32.*kInt4Static32GroupScale", result["error"][1]
+    ), result["error"]
+
+
 def test_qwen_fp8_method_checkpoint_is_served_as_fp8_linears(quant_checkpoints, tmp_path):
-    """A checkpoint in the ``fp8`` method (as Qwen publishes FP8): on an AMX host our QSA projections
-    get vLLM's FP8 linear method; elsewhere vLLM's FP8 kernel selection for the first FP8 linear it
-    builds refuses at start-up (which layer that is, is not asserted here)."""
+    """A checkpoint in the ``fp8`` method (as Qwen publishes FP8), 64x64 blocks (the tiny preset's
+    experts are 64 wide): vLLM's FP8 kernel selection for the first FP8 linear it builds refuses at
+    start-up, with the reason: no kernel at all without AMX, and on an AMX host vLLM's CPU FP8 block
+    kernel takes only 128-wide K blocks (seen on an Intel Xeon). The 128x128-block path on AMX is
+    covered by ``test_cpu_parity``'s qsa512 FP8 experts."""
     from .test_converter import _qwen_fp8_checkpoint
 
     path, _ = _qwen_fp8_checkpoint(quant_checkpoints["tiny"], tmp_path / "qwen-fp8")
     result = probe(path, "--skip-kernel-check")
+    assert "error" in result
+    assert "Failed to find a kernel that can implement the ScaledMM linear layer" in result["error"][1]
     if torch.cpu._is_amx_tile_supported():
-        assert "error" not in result, result["error"]
-        assert result["methods"]["model.layers.3.self_attn.qkv_proj"] == "Fp8LinearMethod"
-    else:
-        assert "error" in result
-        assert "Failed to find a kernel that can implement the ScaledMM linear layer" in result["error"][1]
+        assert "requires K-dimension block size of 128, got 64" in result["error"][1]
 
 
 def test_quantized_ple_tables_and_int4_experts_load_together(quant_checkpoints, tmp_path):
@@ -299,7 +321,7 @@ def test_quantized_ple_tables_and_int4_experts_load_together(quant_checkpoints, 
     ple = convert_ple(quant_checkpoints["tiny"], tmp_path / "ple", "nvfp4")
     both = convert_checkpoint(ple, tmp_path / "ple-w4a16", "w4a16", scales="pow2")
     assert json.loads((both / "config.json").read_text())["ple_embedding_dtype"] == "nvfp4"
-    result = probe(both, *_flags("tiny-w4a16"))
+    result = probe(both, *_flags("tiny-w4a16", both))
     assert "error" not in result, result["error"]
     assert set(m for k, m in result["methods"].items() if k.endswith("routed_experts")) == {
         "CompressedTensorsWNA16MoEMethod"

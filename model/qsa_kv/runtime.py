@@ -82,6 +82,7 @@ class LayerKVState(Protocol):
     """
 
     layer_name: str
+    engine: str  # VllmConfig.instance_id of the engine whose model holds the layer
     settings: Any  # model.qsa_kv.settings.QSAKVSettings
     scale_source: str
     model_name: str
@@ -188,8 +189,20 @@ class QSAKVRuntime:
         # Ranks are read here, not at construction: registration happens after vLLM set up its groups.
         self.ranks = parallel_ranks()
         with self._lock:
-            if state.layer_name in self.layers and self.layers[state.layer_name] is not state:
-                raise ValueError(f"QSA KV state for {state.layer_name} registered twice")
+            old = self.layers.get(state.layer_name)
+            if old is not None and old is not state:
+                if getattr(old, "engine", "") == getattr(state, "engine", ""):
+                    raise ValueError(f"QSA KV state for {state.layer_name} registered twice")
+                # A new engine in this process (``LLM(...)`` again with VLLM_ENABLE_V1_MULTIPROCESSING=0,
+                # as benchmarks do): the earlier engine's layers are gone from the readers' view.
+                stale = [
+                    n
+                    for n, s in self.layers.items()
+                    if getattr(s, "engine", "") != getattr(state, "engine", "")
+                ]
+                for name in stale:
+                    del self.layers[name]
+                logger.info("QSA KV runtime: a new engine replaces %d layer(s) of an earlier one", len(stale))
             self.layers[state.layer_name] = state
 
     def set_meta(self, **meta: Any) -> None:

@@ -65,6 +65,7 @@ class QSAKVState(nn.Module):
         eager: bool,
         model: str = "",
         cache_dtype: str = "",
+        engine: str = "",
     ) -> None:
         super().__init__()
         if layer_name not in expected_layers:
@@ -78,6 +79,7 @@ class QSAKVState(nn.Module):
         self.expected_layers = tuple(expected_layers)
         self.model_name = model
         self.cache_dtype = cache_dtype
+        self.engine = engine  # vLLM's VllmConfig.instance_id: which engine of this process owns the layer
         self.static: LayerScales | None = None
         self.scale_source = "unquantised cache (no scales)"
         if kv_format == FP8_E4M3:

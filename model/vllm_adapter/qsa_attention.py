@@ -130,6 +130,7 @@ class QSACache(nn.Module, AttentionLayerBase):
             eager=_eager(vllm_config),
             model=str(vllm_config.model_config.model),
             cache_dtype=cache_dtype,
+            engine=vllm_config.instance_id,
         )
         register_layer(vllm_config, prefix, self)
 

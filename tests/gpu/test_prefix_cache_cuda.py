@@ -3,7 +3,7 @@
 The CPU suite (``tests/prefix_cache``) proves the hybrid layout's hits on vLLM's CPU build; this is
 the same claim on CUDA, where vLLM picks its own scheduler block size for the hybrid page layout
 (often far larger than the CPU's 128 tokens, which is why the shared prefix here is several
-thousand tokens long: 3,500). Requests run one at a time so each can hit the blocks the previous one left;
+thousand tokens long). Requests run one at a time so each can hit the blocks the previous one left;
 every request that should hit asserts that it did, and the tokens are held to the reference by the
 parity tests' rule (divergence only at the reference's exact near-ties).
 """
@@ -21,6 +21,7 @@ from .engine import cuda_engine_args
 from .test_engine_parity import REF_DEVICE, reference_greedy
 
 pytestmark = pytest.mark.vllm_cuda
+PREFIX_LEN = 2560
 
 
 def test_prefix_hits_on_cuda_match_reference():
@@ -30,7 +31,12 @@ def test_prefix_hits_on_cuda_match_reference():
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     enc = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
-    prefix = enc(" ".join(SENTENCES[(7 * i) % len(SENTENCES)] for i in range(160)))[:3500] + [eos]
+    # 2,560 tokens: a multiple of every scheduler block size seen (80 on the H200, 128/256 on CPUs). In
+    # align mode vLLM keeps a request's state only at the last block boundary it reached, so a request
+    # sharing only the prefix can resume there only if no boundary falls inside the first one's
+    # suffix (at 3,500 tokens and 80-token blocks ``other_suffix`` got no hit on the H200).
+    prefix = enc(" ".join(SENTENCES[(7 * i) % len(SENTENCES)] for i in range(160)))[: PREFIX_LEN - 1] + [eos]
+    assert len(prefix) == PREFIX_LEN
     first = prefix + enc(SENTENCES[1])
     prompts = {
         "first": first,

@@ -264,3 +264,24 @@ def test_merge_cli_reports_errors(tmp_path):
         text=True,
     )
     assert result.returncode == 1 and "no calibration dumps" in result.stderr
+
+
+def test_a_second_engine_in_the_process_replaces_the_first_engines_layers(fresh_runtime):
+    """Two ``LLM`` engines built one after the other in one process (in-process engine core, as the
+    benchmarks run) register the same layer names; seen on the H200 as "registered twice" at the second
+    engine's start. A duplicate within one engine stays an error."""
+    layer = "model.layers.13.self_attn"
+    make = lambda engine: QSAKVState(  # noqa: E731
+        layer_name=layer,
+        kv_format="bf16",
+        settings=QSAKVSettings(),
+        expected_layers=[layer],
+        eager=True,
+        engine=engine,
+    )
+    first, second = make("e1"), make("e2")
+    first.apply()
+    second.apply()
+    assert fresh_runtime.layers[layer] is second
+    with pytest.raises(ValueError, match="registered twice"):
+        make("e2").apply()

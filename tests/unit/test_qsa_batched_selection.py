@@ -62,6 +62,22 @@ def _separated(q, keys, positions, budget, ratio, rel=1e-6) -> tuple[bool, bool]
     return boundary, order
 
 
+def _boundary_separated(q, keys, positions, budget, ratio, rel=1e-6) -> list[bool]:
+    """Per query: whether the gap between its ``top``-th and ``top + 1``-th score is far above fp32
+    rounding (queries still dense, with no choice to make, count as separated)."""
+    top = budget // ratio
+    scores = _scores64(q, keys)
+    out = []
+    for i, p in enumerate(positions.tolist()):
+        complete = (p + 1) // ratio
+        if complete <= top or top == 0:
+            out.append(True)
+            continue
+        s = scores[i, :complete].sort(descending=True).values[: top + 1]
+        out.append(float(s[-2] - s[-1]) > rel * float(s[0]))
+    return out
+
+
 def _positions(kind: str, budget: int, ratio: int) -> torch.Tensor:
     if kind == "prefill":  # a request from position 0, past the budget
         return torch.arange(budget + 6 * ratio + 3)
@@ -213,15 +229,22 @@ def test_cuda_matches_cpu_loop(budget, ratio):
     positions = torch.arange(37, 2 * budget + 9 * ratio + 1)
     num_blocks = _num_blocks(positions, ratio)
     q, keys = _positive_inputs(positions.numel(), num_blocks, seed=budget + ratio)
-    boundary, _ = _separated(q, keys, positions, budget, ratio)
-    assert boundary, "test inputs have a near-tie at the topk boundary"
+    # At 2048 / 4 (512 of up to ~1000 blocks, ~4k queries) some query's 512th and 513th scores are
+    # within fp32 rounding whatever the seed (seen on the H200): those queries may pick either block
+    # of that pair, so they are checked only for count and all but that one block.
+    separated = _boundary_separated(q, keys, positions, budget, ratio)
+    assert sum(separated) >= 0.95 * len(separated), "test inputs are too tied to judge anything"
     ref_sel, ref_cnt = select_tokens(q, positions, keys, budget, ratio)
     sel, cnt = select_tokens_batched(q.cuda(), positions.cuda(), keys.cuda(), budget, ratio)
     sel, cnt = sel.cpu(), cnt.cpu()
     assert torch.equal(cnt, ref_cnt)
     for i in range(positions.numel()):
         n = int(cnt[i])
-        assert set(sel[i, :n].tolist()) == set(ref_sel[i, :n].tolist()), f"query {i}"
+        got, want = set(sel[i, :n].tolist()), set(ref_sel[i, :n].tolist())
+        if separated[i]:
+            assert got == want, f"query {i}"
+        else:  # one tied block swapped at most: its `ratio` tokens
+            assert len(got ^ want) <= 2 * ratio, f"query {i} (near-tie at the boundary)"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

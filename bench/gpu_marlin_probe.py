@@ -1,0 +1,80 @@
+"""Diagnosis of a W4A16 pair that differs from its dequantized twin on CUDA (tests/gpu/test_quant_marlin).
+
+For one prompt (``--prompt``, default the failing ``chat``) this prints the top-5 log-probabilities
+of the first generated tokens from: the quantized checkpoint batched with the other parity prompts
+and alone, the bf16 twin batched and alone, and transformers on the twin (bf16, same GPU). Which
+rows agree says whether the difference depends on the batch (kernel paths that change with the
+number of tokens) and which engine is off the reference.
+
+    PYTHONPATH=$PWD:/tmp/site python3 bench/gpu_marlin_probe.py --scope experts
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+# As tests/gpu/conftest.py: without it the engine core is forked from a process that has imported
+# torch and built checkpoints, and on the H200 the first engine start hung (twice, 4 minutes each).
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+def top5(step: dict[int, float]) -> str:
+    return " ".join(f"{t}:{lp:.3f}" for t, lp in sorted(step.items(), key=lambda kv: -kv[1])[:5])
+
+
+def main() -> None:
+    import torch
+
+    from model.quantize import convert_checkpoint
+    from tests.conftest import ensure_checkpoint
+    from tests.gpu.engine import cuda_engine_args
+    from tests.parity.prompts import parity_prompts
+    from tests.quant.parity import greedy_with_logprobs
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--scope", default="experts")
+    p.add_argument("--prompt", default="chat")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", default="/tmp/marlin_probe")
+    args = p.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = ensure_checkpoint(args.preset)
+    q = convert_checkpoint(src, f"{args.out}/q", "w4a16", scope=args.scope, scales="pow2")
+    deq = convert_checkpoint(
+        src, f"{args.out}/deq", "w4a16", scope=args.scope, scales="pow2", dequantized=True
+    )
+    prompts = parity_prompts(AutoTokenizer.from_pretrained(src))
+    del prompts["very_long_sparse"]
+    alone = {args.prompt: prompts[args.prompt]}
+    print(f"prompt {args.prompt}: {len(prompts[args.prompt])} tokens; batch of {len(prompts)}", flush=True)
+
+    rows = {}
+    for label, path in (("q", q), ("deq", deq)):
+        for how, batch in (("batched", prompts), ("alone", alone)):
+            out = greedy_with_logprobs(path, batch, args.steps, **cuda_engine_args(max_num_seqs=8))
+            rows[f"{label} {how}"] = out[args.prompt]
+            tokens, steps = out[args.prompt]
+            print(f"{label:>3} {how:>7}: tokens {tokens} | step0 {top5(steps[0])}", flush=True)
+
+    model = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.bfloat16).to("cuda").eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompts[args.prompt]], device="cuda")).logits[0, -1]
+    lp = logits.float().log_softmax(-1)
+    vals, idx = lp.topk(5)
+    print(
+        "transformers twin: step0 "
+        + " ".join(f"{int(i)}:{float(v):.3f}" for v, i in zip(vals, idx, strict=True))
+    )
+    for name, (tokens, _steps) in rows.items():
+        t0 = tokens[0]
+        print(f"{name}: token0 {t0}, transformers logprob of it {float(lp[t0]):.3f}")
+
+
+if __name__ == "__main__":
+    main()

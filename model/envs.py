@@ -87,6 +87,19 @@ def parse_selection(name: str, raw: str) -> str:
     return v
 
 
+CUDA_MODEL_CHOICES = ("ours", "upstream")
+
+
+def parse_cuda_model(name: str, raw: str) -> str:
+    v = raw.strip().lower()
+    if v not in CUDA_MODEL_CHOICES:
+        raise EnvError(
+            f"{name}={raw!r} is not a valid value: use ours (this plugin's implementation) or upstream "
+            "(vLLM's own CUDA qwen4_exp), or leave it unset for ours"
+        )
+    return v
+
+
 def parse_path(name: str, raw: str) -> Path:
     return Path(raw.strip())
 
@@ -144,6 +157,7 @@ ENGINE_FATAL_FILE = "QWEN4EXP_ENGINE_FATAL_FILE"
 FAULT_INJECT_TOKEN = "QWEN4EXP_FAULT_INJECT_TOKEN"
 FAULT_INJECT_FATAL_TOKEN = "QWEN4EXP_FAULT_INJECT_FATAL_TOKEN"
 QSA_SELECTION = "QWEN4EXP_QSA_SELECTION"
+CUDA_MODEL = "QWEN4EXP_CUDA_MODEL"
 
 DEFAULT_COLLECT_INTERVAL_S = 30.0
 
@@ -228,6 +242,21 @@ VARIABLES: tuple[EnvVar, ...] = (
         "(exact tie-breaking; the CPU parity reference). Same selection on tie-free scores; for "
         "benchmarks and diagnosis.",
         "use loop or batched, or unset it",
+    ),
+    EnvVar(
+        CUDA_MODEL,
+        parse_cuda_model,
+        "ours",
+        "`ours`",
+        "Which Qwen4-Exp implementation serves on vLLM's CUDA build. `ours`: this plugin's (the only "
+        "one on vLLM's CPU build). `upstream`: vLLM's own CUDA `qwen4_exp` through a subclass that "
+        "stops start-up, listing every reason, where the deployment uses what only ours has (static "
+        "KV scales, calibration, clip counters, FP8 KV below sm_89, FP8/NVFP4 PLE tables, AWQ/GPTQ) "
+        "or lacks what upstream needs (Model Runner V2: `VLLM_USE_V2_MODEL_RUNNER=1`; "
+        "`output_gate_type` in config.json; a top-k of 512/1024/2048 blocks). Opt-in until that "
+        "subclass has those features and has passed on a GPU. On the CPU build `upstream` fails at "
+        "model construction rather than serve ours.",
+        "use ours or upstream, or unset it (ours)",
     ),
     EnvVar(
         ENGINE_FATAL_FILE,
@@ -325,6 +354,16 @@ def qsa_selection(cuda: bool, env: Mapping[str, str] | None = None) -> str:
     """
     choice = read(QSA_SELECTION, env)
     return ("batched" if cuda else "loop") if choice is None else choice
+
+
+def cuda_model(env: Mapping[str, str] | None = None) -> str:
+    """``QWEN4EXP_CUDA_MODEL``: ``"ours"`` (default) or ``"upstream"``; :class:`EnvError` if malformed.
+
+    Only the choice: whether upstream can serve a deployment is decided by
+    :func:`model.cuda_model_choice.problems_for_upstream` (on vLLM's CPU build only ours runs, so
+    ``upstream`` is refused there).
+    """
+    return read(CUDA_MODEL, env)
 
 
 def markdown_rows() -> list[str]:

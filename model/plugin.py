@@ -1,17 +1,29 @@
-"""vLLM general plugin: registers our Qwen4-Exp implementation for both architecture names.
+"""vLLM general plugin: registers a Qwen4-Exp implementation for both architecture names.
 
-vLLM runs ``register()`` in every process (API server, engine core, workers). Registering under
-the upstream names replaces vLLM's built-in CUDA-only Qwen4Exp with ours, which also runs on
-vLLM's CPU build. It also installs the engine guard (``model.engine_guard``), so that one failing
-model step fails its requests instead of the whole engine.
+vLLM runs ``register()`` in every process (API server, engine core, workers, its registry's
+inspection subprocess). Registering under the upstream names replaces vLLM's built-in CUDA-only
+Qwen4Exp; ``QWEN4EXP_CUDA_MODEL`` (:mod:`model.envs`) says with what:
+
+* ``ours`` (default): this plugin's implementation (``model.vllm_adapter.model``), on vLLM's CPU
+  build and on CUDA.
+* ``upstream``, on CUDA: vLLM's own implementation behind thin subclasses
+  (``model.vllm_adapter.upstream_cuda``) that stop start-up, listing every reason, where it lacks
+  a feature ours has or needs a setting that is missing (``model.cuda_model_choice``).
+* ``upstream``, on vLLM's CPU build (decided by vLLM's own ``vllm_version_matches_substr``, as
+  ``service.cuda_preflight`` does; no GPU is touched): upstream cannot run there, and serving ours
+  under that name would hide the misconfiguration, so the registered classes are stand-ins whose
+  construction raises the problem list naming ``QWEN4EXP_CUDA_MODEL``.
+
+Targets are lazy ``module:Class`` strings, so upstream's module is imported only when vLLM needs
+the class. A malformed ``QWEN4EXP_CUDA_MODEL`` raises here (the service refuses it earlier).
+
+It also installs the engine guard (``model.engine_guard``), so that one failing model step fails
+its requests instead of the whole engine.
 """
 
 from __future__ import annotations
 
-ARCHITECTURES = {
-    "Qwen4ExpForCausalLM": "model.vllm_adapter.model:Qwen4ExpForCausalLM",
-    "Qwen4ExpForConditionalGeneration": "model.vllm_adapter.model:Qwen4ExpForConditionalGeneration",
-}
+from model import cuda_model_choice, envs
 
 
 def register() -> None:
@@ -21,5 +33,8 @@ def register() -> None:
 
     engine_guard.install()
 
-    for arch, target in ARCHITECTURES.items():
+    targets = cuda_model_choice.registration_targets(
+        envs.cuda_model(), cpu_build=cuda_model_choice.vllm_is_cpu_build()
+    )
+    for arch, target in targets.items():
         ModelRegistry.register_model(arch, target)

@@ -1,0 +1,242 @@
+"""Which Qwen4-Exp implementation serves on CUDA, and every reason vLLM's own one cannot serve here.
+
+vLLM 0.32 ships a CUDA-only ``qwen4_exp`` (``vllm.models.qwen4_exp.nvidia``). Measured on an H200 it
+matches transformers as closely as ours and runs 9-16x faster, so on CUDA it is the target; but it
+lacks features ours has, and needs settings ours does not. ``QWEN4EXP_CUDA_MODEL=upstream``
+(:mod:`model.envs`) opts into it through thin subclasses (:mod:`model.vllm_adapter.upstream_cuda`)
+that stop start-up with :func:`problems_for_upstream`'s list instead of serving without them. The
+default stays ``ours`` until those subclasses carry the missing features and have passed on a GPU.
+
+Everything here is a pure function of injected facts (config.json as a dict, the environment, the
+platform), so the decision is tested on a CPU box where upstream cannot even be imported. Only the
+standard library and this package's standard-library modules are imported at module level; vLLM
+only inside :func:`vllm_is_cpu_build` and :func:`refuse_unless_upstream_can_serve`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from model import envs, ple_format
+
+ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
+OURS_MODULE = "model.vllm_adapter.model"
+UPSTREAM_MODULE = "model.vllm_adapter.upstream_cuda"
+# On vLLM's CPU build ``upstream`` is served by these (subclasses of ours whose construction raises):
+# own names, so vLLM's model-info cache (keyed by module and class name) never hands the CUDA
+# build the CPU build's inspection of the same module.
+REFUSED_ON_CPU_SUFFIX = "RefusedOnCpuBuild"
+
+# Upstream's QSA top-k kernels take only these block counts (indexer_budget / indexer_compress_ratio).
+UPSTREAM_TOPK_BLOCKS = (512, 1024, 2048)
+# Upstream's QSA layers accept these cache dtypes and raise NotImplementedError for any other.
+UPSTREAM_KV_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
+# Native FP8 (E4M3) starts at sm_89 (Ada); upstream has no reader for FP8 codes below it (sm_86,
+# the RTX 3090), ours decodes E4M3 with a bit trick there.
+FP8_MIN_CAPABILITY = (8, 9)
+# vLLM's GDN layer accepts these; null makes it fail an assertion (transformers reads null as hidden_act).
+OUTPUT_GATE_TYPES = ("silu", "swish", "sigmoid")
+# Our QSA KV features upstream does not have (yet).
+OURS_ONLY_VARIABLES = (
+    (envs.QSA_KV_SCALES, "static per-layer FP8 K/V scales from a sidecar"),
+    (envs.QSA_KV_COLLECT, "the K/V absmax calibration collector"),
+    (envs.QSA_KV_CLIP_COUNT, "the FP8 clip counters"),
+)
+V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+USE_OURS = f"set {envs.CUDA_MODEL}=ours (or unset it)"
+
+
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The part of config.json holding the language model's fields (a multimodal config nests it)."""
+    text = config.get("text_config")
+    return text if isinstance(text, Mapping) else config
+
+
+def _quant_method(config: Mapping[str, Any]) -> str | None:
+    for part in (config, _text_config(config)):
+        qc = part.get("quantization_config")
+        if isinstance(qc, Mapping) and qc.get("quant_method"):
+            return str(qc["quant_method"]).strip().lower()
+    return None
+
+
+def _has_qsa_layers(text: Mapping[str, Any]) -> bool:
+    layer_types = text.get("layer_types")
+    return not isinstance(layer_types, list) or "indexed_attention" in layer_types
+
+
+def problems_for_upstream(
+    config: Mapping[str, Any],
+    env: Mapping[str, str],
+    *,
+    cuda: bool,
+    capability: tuple[int, int] | None,
+    kv_cache_dtype: str,
+    v2_runner: bool,
+    quantization: str | None = None,
+) -> list[str]:
+    """Every reason vLLM's own CUDA Qwen4-Exp cannot serve this deployment (empty: it can).
+
+    ``config``: config.json as a dict (a multimodal config's ``text_config`` is read for the model
+    fields); ``env``: the environment; ``cuda``: vLLM runs on its CUDA platform (False on its CPU
+    build); ``capability``: the GPU's compute capability, None if unknown; ``kv_cache_dtype``:
+    vLLM's ``cache_config.cache_dtype``; ``v2_runner``: vLLM picked Model Runner V2;
+    ``quantization``: vLLM's resolved method (e.g. ``awq_marlin``), besides config.json's.
+    Each problem names the variable or field and its fix; all are reported at once.
+    """
+    problems: list[str] = []
+    if not cuda:
+        problems.append(
+            f"{envs.CUDA_MODEL}=upstream needs vLLM's CUDA build; this vLLM is not on CUDA (its CPU "
+            f"build, where only ours runs); fix: {USE_OURS}, or install vLLM's CUDA build"
+        )
+    if not v2_runner:
+        raw = env.get(V2_RUNNER, "")
+        why = (
+            f"{V2_RUNNER}={raw!r}"
+            if raw.strip()
+            else f"{V2_RUNNER} unset, so vLLM chose V1 itself: no Triton, or a feature V2 lacks (its log says)"
+        )
+        problems.append(
+            f"vLLM picked its V1 model runner ({why}); upstream's model needs Model Runner V2 "
+            f'(under V1 it stops with "PLE inputs were not prepared"); fix: set {V2_RUNNER}=1, '
+            f"or {USE_OURS}"
+        )
+    text = _text_config(config)
+    gate = text.get("output_gate_type")
+    if gate is None:
+        problems.append(
+            "config.json output_gate_type is missing or null: upstream's GDN layers need it written "
+            f"out (transformers reads null as hidden_act={text.get('hidden_act', 'silu')!r}); fix: set "
+            f'"output_gate_type": "{text.get("hidden_act", "silu")}" in config.json, or {USE_OURS}'
+        )
+    elif str(gate).strip().lower() not in OUTPUT_GATE_TYPES:
+        problems.append(
+            f"config.json output_gate_type={gate!r}: upstream's GDN layers take only "
+            f"{', '.join(OUTPUT_GATE_TYPES)}; fix: {USE_OURS}"
+        )
+    if _has_qsa_layers(text):
+        budget, ratio = text.get("indexer_budget"), text.get("indexer_compress_ratio")
+        try:
+            k, rest = divmod(int(budget), int(ratio))
+        except (TypeError, ValueError, ZeroDivisionError):
+            k, rest = None, 0
+        if k is None or rest or k not in UPSTREAM_TOPK_BLOCKS:
+            got = f"k = {k} blocks" if k is not None and not rest else "no whole number of blocks"
+            problems.append(
+                f"config.json indexer_budget={budget!r} / indexer_compress_ratio={ratio!r} gives a QSA "
+                f"top-k of {got}; upstream's top-k kernels take only k = "
+                f"{', '.join(map(str, UPSTREAM_TOPK_BLOCKS))}; fix: {USE_OURS}"
+            )
+    for name, feature in OURS_ONLY_VARIABLES:
+        if env.get(name, "").strip():
+            problems.append(
+                f"{name}={env[name]!r} is set: upstream has no {feature} (only ours has); fix: unset "
+                f"{name}, or {USE_OURS}"
+            )
+    dtype = (kv_cache_dtype or "auto").strip().lower()
+    if dtype not in UPSTREAM_KV_DTYPES:
+        problems.append(
+            f"--kv-cache-dtype {kv_cache_dtype}: upstream's QSA takes only "
+            f"{', '.join(UPSTREAM_KV_DTYPES)}; fix: use one of those, or {USE_OURS}"
+        )
+    elif dtype.startswith("fp8") and cuda and (capability is None or tuple(capability) < FP8_MIN_CAPABILITY):
+        gpu = "unknown" if capability is None else f"sm_{capability[0]}{capability[1]}"
+        problems.append(
+            f"--kv-cache-dtype {kv_cache_dtype} on a GPU of compute capability {gpu}: upstream has no "
+            f"FP8 E4M3 KV reader below sm_{FP8_MIN_CAPABILITY[0]}{FP8_MIN_CAPABILITY[1]} (no native "
+            f"FP8 there; ours decodes it); fix: --kv-cache-dtype auto, or {USE_OURS}"
+        )
+    try:
+        table_format = ple_format.table_format_of(text)
+    except ValueError as exc:
+        problems.append(f"{exc}; fix: correct config.json, or {USE_OURS}")
+    else:
+        if table_format != "bf16":
+            problems.append(
+                f"config.json {ple_format.FIELD} declares {table_format} PLE tables: upstream reads "
+                f"only bf16 ones (ours reads fp8_e4m3 and nvfp4 too); fix: {USE_OURS}"
+            )
+    for source, method in (
+        ("config.json quantization_config.quant_method", _quant_method(config)),
+        ("--quantization", quantization),
+    ):
+        if method and method.strip().lower().split("_")[0] in ("awq", "gptq"):
+            problems.append(
+                f"{source}={method!r}: AWQ/GPTQ checkpoints have not been verified through upstream's "
+                f"model; fix: {USE_OURS}"
+            )
+            break
+    return problems
+
+
+def refusal_message(problems: list[str]) -> str:
+    """The start-up error for ``QWEN4EXP_CUDA_MODEL=upstream``: one line per problem."""
+    lines = "\n".join(f"  - {p}" for p in problems)
+    return (
+        f"{envs.CUDA_MODEL}=upstream (vLLM's own CUDA Qwen4-Exp) cannot serve this deployment, "
+        f"{len(problems)} problem(s):\n{lines}"
+    )
+
+
+def registration_targets(choice: str, *, cpu_build: bool) -> dict[str, str]:
+    """The ``module:Class`` vLLM registers for each architecture name.
+
+    ``ours`` -> ours, on either build. ``upstream`` on CUDA -> the upstream subclasses. ``upstream``
+    on vLLM's CPU build -> subclasses of ours that raise :func:`refusal_message` when constructed,
+    so the deployment neither imports upstream there (it cannot) nor silently serves ours.
+    """
+    if choice not in envs.CUDA_MODEL_CHOICES:
+        raise ValueError(f"unknown {envs.CUDA_MODEL} choice {choice!r}; use one of {envs.CUDA_MODEL_CHOICES}")
+    if choice == "ours":
+        return {arch: f"{OURS_MODULE}:{arch}" for arch in ARCHITECTURES}
+    suffix = REFUSED_ON_CPU_SUFFIX if cpu_build else ""
+    return {arch: f"{UPSTREAM_MODULE}:{arch}{suffix}" for arch in ARCHITECTURES}
+
+
+def vllm_is_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build, by vLLM's own rule (touches no GPU); the same
+    question ``service.cuda_preflight.installed_vllm_build`` asks."""
+    from vllm.platforms import vllm_version_matches_substr
+
+    return vllm_version_matches_substr("cpu")
+
+
+def _capability(platform: Any) -> tuple[int, int] | None:
+    try:
+        cap = platform.get_device_capability()
+    except Exception:  # noqa: BLE001 - unknown counts as "not known to have FP8", fail closed
+        return None
+    return None if cap is None else (int(cap.major), int(cap.minor))
+
+
+def refuse_unless_upstream_can_serve(
+    vllm_config: Any, *, cpu_build: bool = False, env: Mapping[str, str] | None = None
+) -> None:
+    """Gather the facts from vLLM and raise ``ValueError`` (:func:`refusal_message`) on any problem.
+
+    Called at the top of the upstream subclasses' ``__init__``, before anything is built.
+    ``cpu_build``: the caller is the CPU build's stand-in, which must refuse whatever the platform
+    says (the "not CUDA" problem is then always in the list).
+    """
+    from vllm.platforms import current_platform
+
+    model_config = vllm_config.model_config
+    hf_config = model_config.hf_config
+    config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+    cuda = not cpu_build and bool(current_platform.is_cuda())
+    problems = problems_for_upstream(
+        config,
+        os.environ if env is None else env,
+        cuda=cuda,
+        capability=_capability(current_platform) if cuda else None,
+        kv_cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        # The property vLLM's workers and scheduler read: VLLM_USE_V2_MODEL_RUNNER if set, else V2
+        # unless Triton or a feature V2 lacks forces V1.
+        v2_runner=bool(vllm_config.use_v2_model_runner),
+        quantization=getattr(model_config, "quantization", None),
+    )
+    if problems:
+        raise ValueError(refusal_message(problems))

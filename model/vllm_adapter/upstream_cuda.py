@@ -1,0 +1,77 @@
+"""vLLM's own CUDA Qwen4-Exp behind a start-up check: what ``QWEN4EXP_CUDA_MODEL=upstream`` serves.
+
+Why this module exists: on an H200, vLLM 0.32's built-in ``qwen4_exp`` (``vllm.models.qwen4_exp
+.nvidia``) matched transformers as closely as ours and ran 9-16x faster, so on CUDA it is where this
+project is heading. It does not yet do everything ours does, though, and serving a deployment that
+relies on one of those features without it would be silently wrong (an FP8 cache read without its
+calibrated scales, a missing calibration dump, FP8/NVFP4 PLE codes read as bf16). So the classes
+here are thin subclasses of upstream's that fail closed: their ``__init__`` gathers the deployment's
+facts from ``vllm_config`` and raises one ``ValueError`` listing every problem
+(:func:`model.cuda_model_choice.problems_for_upstream`) before upstream builds anything.
+
+What they will gain, one by one, each lifting its refusal (until then the feature is refused, never
+served without):
+
+* the FP8 E4M3 bit-trick reader for GPUs without native FP8 (sm_86, the RTX 3090) in upstream's
+  sparse attention and in its K/V prepare/store paths;
+* the static per-layer K/V scale sidecar (``VLLM_QSA_KV_SCALES``), the calibration collector
+  (``VLLM_QSA_KV_COLLECT``) and the device-side clip counters (``VLLM_QSA_KV_CLIP_COUNT``);
+* FP8 E4M3 and NVFP4 PLE tables (``model.ple_format``);
+* verified AWQ/GPTQ checkpoints.
+
+Upstream also needs settings ours does not: Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``),
+``output_gate_type`` written in config.json, and a QSA top-k of 512, 1024 or 2048 blocks; those are
+refused the same way. The default stays ``ours`` until these classes carry the features and have
+passed on a GPU (``tests/gpu/test_upstream_cuda.py``).
+
+vLLM imports this module only when the class is needed (``model.plugin`` registers lazy
+``module:Class`` strings). On vLLM's CPU build upstream cannot even be imported (it needs CUDA
+kernels and torchvision), so there the module defines only ``*RefusedOnCpuBuild`` stand-ins: ours,
+so that vLLM's inspection and config checks before construction behave as for ours, and a
+constructor that always raises the problem list (naming ``QWEN4EXP_CUDA_MODEL``) instead of
+serving ours under the name ``upstream``.
+"""
+
+from __future__ import annotations
+
+from model.cuda_model_choice import refuse_unless_upstream_can_serve, vllm_is_cpu_build
+
+if vllm_is_cpu_build():
+    from model.vllm_adapter.model import Qwen4ExpForCausalLM as _OursForCausalLM
+    from model.vllm_adapter.model import Qwen4ExpForConditionalGeneration as _OursForConditionalGeneration
+
+    class Qwen4ExpForCausalLMRefusedOnCpuBuild(_OursForCausalLM):
+        """``QWEN4EXP_CUDA_MODEL=upstream`` on vLLM's CPU build: refuses to be constructed."""
+
+        def __init__(self, *, vllm_config, prefix: str = "") -> None:
+            refuse_unless_upstream_can_serve(vllm_config, cpu_build=True)
+            raise AssertionError("unreachable: the CPU build is always a problem for upstream")
+
+    class Qwen4ExpForConditionalGenerationRefusedOnCpuBuild(_OursForConditionalGeneration):
+        """``QWEN4EXP_CUDA_MODEL=upstream`` on vLLM's CPU build: refuses to be constructed."""
+
+        def __init__(self, *, vllm_config, prefix: str = "") -> None:
+            refuse_unless_upstream_can_serve(vllm_config, cpu_build=True)
+            raise AssertionError("unreachable: the CPU build is always a problem for upstream")
+
+else:
+    from vllm.models.qwen4_exp.nvidia.model import Qwen4ExpForCausalLM as _UpstreamForCausalLM
+    from vllm.models.qwen4_exp.nvidia.model import (
+        Qwen4ExpForConditionalGeneration as _UpstreamForConditionalGeneration,
+    )
+
+    class Qwen4ExpForCausalLM(_UpstreamForCausalLM):
+        """Upstream's text model; refuses, before building anything, what upstream cannot serve
+        (see the module docstring for the list and what this class will gain)."""
+
+        def __init__(self, *, vllm_config, prefix: str = "") -> None:
+            refuse_unless_upstream_can_serve(vllm_config)
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+
+    class Qwen4ExpForConditionalGeneration(_UpstreamForConditionalGeneration):
+        """Upstream's vision-language model (its multimodal processor is inherited); refuses what
+        upstream cannot serve, like :class:`Qwen4ExpForCausalLM`."""
+
+        def __init__(self, *, vllm_config, prefix: str = "model") -> None:
+            refuse_unless_upstream_can_serve(vllm_config)
+            super().__init__(vllm_config=vllm_config, prefix=prefix)

@@ -1,0 +1,181 @@
+"""``QWEN4EXP_CUDA_MODEL``: the choice, every refusal of upstream and the registration targets (CPU).
+
+Upstream cannot run (or even be imported) on vLLM's CPU build, so this covers the decision with
+injected facts; ``tests/gpu/test_upstream_cuda.py`` starts upstream on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+
+from model import cuda_model_choice as choice
+from model import envs
+
+CLEAN_CONFIG = {
+    "architectures": ["Qwen4ExpForCausalLM"],
+    "hidden_act": "silu",
+    "output_gate_type": "silu",
+    "indexer_budget": 2048,
+    "indexer_compress_ratio": 4,
+    "layer_types": ["linear_attention", "indexed_attention"],
+    "ple_embedding_dtype": None,
+}
+CLEAN = dict(cuda=True, capability=(9, 0), kv_cache_dtype="auto", v2_runner=True)
+
+
+def problems(config=None, env=None, **facts):
+    return choice.problems_for_upstream(
+        CLEAN_CONFIG if config is None else config, env or {}, **{**CLEAN, **facts}
+    )
+
+
+def test_parser_spellings_default_and_errors():
+    assert envs.cuda_model({}) == "ours"
+    assert envs.cuda_model({envs.CUDA_MODEL: " "}) == "ours"
+    assert envs.cuda_model({envs.CUDA_MODEL: "Upstream "}) == "upstream"
+    assert envs.cuda_model({envs.CUDA_MODEL: "OURS"}) == "ours"
+    for bad in ("vllm", "native", "1", "up"):
+        with pytest.raises(
+            envs.EnvError, match=f"^QWEN4EXP_CUDA_MODEL='{bad}' is not a valid value: use ours"
+        ):
+            envs.cuda_model({envs.CUDA_MODEL: bad})
+    _, found = envs.validate({envs.CUDA_MODEL: "vllm"})
+    assert any(p.startswith("QWEN4EXP_CUDA_MODEL='vllm'") and "fix: use ours or upstream" in p for p in found)
+
+
+@pytest.mark.parametrize("config", [CLEAN_CONFIG, {"text_config": CLEAN_CONFIG}])
+def test_clean_cuda_deployment_has_no_problems(config):
+    assert problems(config) == []
+    assert problems(config, kv_cache_dtype="fp8", capability=(8, 9)) == []
+    assert problems(config, kv_cache_dtype="fp8_e4m3", capability=(9, 0)) == []
+    assert problems(config, kv_cache_dtype="bfloat16") == []
+    for k in choice.UPSTREAM_TOPK_BLOCKS:
+        assert problems({**CLEAN_CONFIG, "indexer_budget": 4 * k}) == []
+    # Unset or empty variables are not features in use.
+    assert problems(env={envs.QSA_KV_SCALES: "", envs.QSA_KV_COLLECT: "  "}) == []
+
+
+def test_each_problem_names_its_variable_and_the_fix():
+    cases = {
+        "vLLM's CUDA build": dict(cuda=False, capability=None),
+        "VLLM_USE_V2_MODEL_RUNNER=1": dict(v2_runner=False),
+        "output_gate_type": dict(config={**CLEAN_CONFIG, "output_gate_type": None}),
+        "output_gate_type='tanh'": dict(config={**CLEAN_CONFIG, "output_gate_type": "tanh"}),
+        "k = 256 blocks": dict(config={**CLEAN_CONFIG, "indexer_budget": 1024}),
+        "no whole number of blocks": dict(config={**CLEAN_CONFIG, "indexer_budget": 2050}),
+        "VLLM_QSA_KV_SCALES='/s.json' is set": dict(env={envs.QSA_KV_SCALES: "/s.json"}),
+        "VLLM_QSA_KV_COLLECT='/tmp/c' is set": dict(env={envs.QSA_KV_COLLECT: "/tmp/c"}),
+        "VLLM_QSA_KV_CLIP_COUNT='5' is set": dict(env={envs.QSA_KV_CLIP_COUNT: "5"}),
+        "compute capability sm_86": dict(kv_cache_dtype="fp8", capability=(8, 6)),
+        "compute capability unknown": dict(kv_cache_dtype="fp8_e4m3", capability=None),
+        "--kv-cache-dtype fp8_e5m2": dict(kv_cache_dtype="fp8_e5m2"),
+        "ple_embedding_dtype declares nvfp4": dict(config={**CLEAN_CONFIG, "ple_embedding_dtype": "nvfp4"}),
+        "declares fp8_e4m3 PLE tables": dict(
+            config={**CLEAN_CONFIG, "quantization_config": {"ple_embedding_dtype": "float8_e4m3fn"}}
+        ),
+        "is not a PLE table format": dict(config={**CLEAN_CONFIG, "ple_embedding_dtype": "fp8"}),
+        "quant_method='awq'": dict(config={**CLEAN_CONFIG, "quantization_config": {"quant_method": "awq"}}),
+        "quant_method='gptq'": dict(
+            config={"text_config": {**CLEAN_CONFIG, "quantization_config": {"quant_method": "gptq"}}}
+        ),
+        "--quantization='awq_marlin'": dict(quantization="awq_marlin"),
+    }
+    for needle, facts in cases.items():
+        (found,) = problems(**facts)  # exactly one problem, this one
+        assert needle in found, (needle, found)
+        assert "fix:" in found and "QWEN4EXP_CUDA_MODEL=ours (or unset it)" in found, found
+    assert (
+        "VLLM_USE_V2_MODEL_RUNNER='0'" in problems(env={"VLLM_USE_V2_MODEL_RUNNER": "0"}, v2_runner=False)[0]
+    )
+    assert '"output_gate_type": "silu"' in problems({**CLEAN_CONFIG, "output_gate_type": None})[0]
+    # Missing QSA fields are a problem; a model without QSA layers has no top-k to check.
+    no_budget = {k: v for k, v in CLEAN_CONFIG.items() if k != "indexer_budget"}
+    assert "indexer_budget=None" in problems(no_budget)[0]
+    assert problems({**no_budget, "layer_types": ["linear_attention"]}) == []
+    assert problems(quantization="fp8") == [] and problems(quantization="compressed-tensors") == []
+
+
+def test_all_problems_are_reported_at_once():
+    bad_config = {
+        **CLEAN_CONFIG,
+        "output_gate_type": None,
+        "indexer_budget": 64,
+        "ple_embedding_dtype": "nvfp4",
+        "quantization_config": {"quant_method": "gptq"},
+    }
+    env = {envs.QSA_KV_SCALES: "s.json", envs.QSA_KV_COLLECT: "d", envs.QSA_KV_CLIP_COUNT: "1"}
+    found = problems(bad_config, env, v2_runner=False, kv_cache_dtype="fp8", capability=(8, 6))
+    assert len(found) == 9, found
+    text = choice.refusal_message(found)
+    assert text.startswith("QWEN4EXP_CUDA_MODEL=upstream (vLLM's own CUDA Qwen4-Exp) cannot serve")
+    assert "9 problem(s)" in text and text.count("\n  - ") == 9
+    for name in (envs.QSA_KV_SCALES, envs.QSA_KV_COLLECT, envs.QSA_KV_CLIP_COUNT, "VLLM_USE_V2_MODEL_RUNNER"):
+        assert name in text
+
+
+def test_registration_targets():
+    ours = {
+        "Qwen4ExpForCausalLM": "model.vllm_adapter.model:Qwen4ExpForCausalLM",
+        "Qwen4ExpForConditionalGeneration": "model.vllm_adapter.model:Qwen4ExpForConditionalGeneration",
+    }
+    assert choice.registration_targets("ours", cpu_build=True) == ours
+    assert choice.registration_targets("ours", cpu_build=False) == ours
+    assert choice.registration_targets("upstream", cpu_build=False) == {
+        "Qwen4ExpForCausalLM": "model.vllm_adapter.upstream_cuda:Qwen4ExpForCausalLM",
+        "Qwen4ExpForConditionalGeneration": "model.vllm_adapter.upstream_cuda:Qwen4ExpForConditionalGeneration",
+    }
+    assert choice.registration_targets("upstream", cpu_build=True) == {
+        "Qwen4ExpForCausalLM": "model.vllm_adapter.upstream_cuda:Qwen4ExpForCausalLMRefusedOnCpuBuild",
+        "Qwen4ExpForConditionalGeneration": (
+            "model.vllm_adapter.upstream_cuda:Qwen4ExpForConditionalGenerationRefusedOnCpuBuild"
+        ),
+    }
+    with pytest.raises(ValueError, match="unknown QWEN4EXP_CUDA_MODEL choice"):
+        choice.registration_targets("vllm", cpu_build=False)
+
+
+def _resolve(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_plugin_registers_the_choice(monkeypatch):
+    """``register()`` on this machine (vLLM's CPU build): ours by default, the stand-ins for upstream."""
+    from vllm import ModelRegistry
+
+    from model import plugin
+
+    assert choice.vllm_is_cpu_build(), "these CPU tests run on vLLM's CPU build"
+    registered = {}
+    monkeypatch.setattr(
+        ModelRegistry, "register_model", lambda arch, target: registered.update({arch: target})
+    )
+    for value, cpu_choice in (("", "ours"), ("ours", "ours"), ("upstream", "upstream")):
+        monkeypatch.setenv(envs.CUDA_MODEL, value)
+        plugin.register()
+        assert registered == choice.registration_targets(cpu_choice, cpu_build=True)
+    monkeypatch.setenv(envs.CUDA_MODEL, "nvidia")
+    with pytest.raises(envs.EnvError, match="QWEN4EXP_CUDA_MODEL='nvidia'"):
+        plugin.register()
+
+
+def test_cpu_build_stand_ins_refuse_naming_the_variable():
+    """Constructing the CPU build's ``upstream`` target raises before ours builds anything."""
+    cfg = SimpleNamespace(to_dict=lambda: dict(CLEAN_CONFIG))
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=cfg, quantization=None),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        use_v2_model_runner=True,
+    )
+    ours = choice.registration_targets("ours", cpu_build=True)
+    for arch, target in choice.registration_targets("upstream", cpu_build=True).items():
+        cls = _resolve(target)
+        assert issubclass(cls, _resolve(ours[arch]))  # vLLM inspects it like ours before construction
+        with pytest.raises(ValueError) as err:
+            cls(vllm_config=vllm_config)
+        text = str(err.value)
+        assert text.startswith("QWEN4EXP_CUDA_MODEL=upstream") and "1 problem(s)" in text, text
+        assert "needs vLLM's CUDA build" in text and "set QWEN4EXP_CUDA_MODEL=ours (or unset it)" in text

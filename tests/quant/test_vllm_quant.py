@@ -255,14 +255,19 @@ def test_int4_linears_without_the_cpu_op_are_refused_at_start_up(quant_checkpoin
     ), result["error"]
 
 
+def _assert_refused(path, pattern: str) -> None:
+    """Start-up (with our kernel checks on) fails with a message matching ``pattern``."""
+    result = probe(path)
+    assert "error" in result
+    assert re.search(pattern, result["error"][1]), result["error"]
+
+
 def test_fp8_experts_without_amx_are_refused_at_start_up(quant_checkpoints):
     if torch.cpu._is_amx_tile_supported():
         pytest.skip("AMX host: vLLM's CPU FP8 MoE can run")
-    result = probe(quant_checkpoints["tiny-fp8"])
-    assert "error" in result
-    assert re.search(
-        r"routed_experts: FP8 experts .* need AMX tiles .*cpu_moe\.py:456-460", result["error"][1]
-    ), result["error"]
+    _assert_refused(
+        quant_checkpoints["tiny-fp8"], r"routed_experts: FP8 experts .* need AMX tiles .*cpu_moe\.py:456-460"
+    )
 
 
 def _cpu_library_has(op: str) -> bool:
@@ -278,22 +283,19 @@ def _cpu_library_has(op: str) -> bool:
 def test_int4_experts_without_a_cpu_moe_kernel_are_refused_with_the_reason(quant_checkpoints):
     if _int4_moe_kernel_for(quant_checkpoints["tiny-w4a16"]):
         pytest.skip("AMX host: vLLM's CPU int4 MoE can run")
-    result = probe(quant_checkpoints["tiny-w4a16"])
-    assert "error" in result
-    assert re.search(
+    _assert_refused(
+        quant_checkpoints["tiny-w4a16"],
         r"routed experts are int4 \(compressed-tensors\).*only on x86 hosts with AMX tiles.*cpu_moe\.py:840-844",
-        result["error"][1],
-    ), result["error"]
+    )
 
 
 def test_int4_experts_in_groups_of_32_on_an_amx_host_are_refused_with_the_reason(quant_checkpoints):
     if not torch.cpu._is_amx_tile_supported():
         pytest.skip("no AMX: the no-kernel refusal above covers this host")
-    result = probe(quant_checkpoints["wide-w4a16"])
-    assert "error" in result
-    assert re.search(
-        r"int4 \(compressed-tensors\) in groups of 32.*kInt4Static32GroupScale", result["error"][1]
-    ), result["error"]
+    _assert_refused(
+        quant_checkpoints["wide-w4a16"],
+        r"int4 \(compressed-tensors\) in groups of 32.*kInt4Static32GroupScale",
+    )
 
 
 def test_qwen_fp8_method_checkpoint_is_served_as_fp8_linears(quant_checkpoints, tmp_path):

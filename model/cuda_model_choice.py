@@ -149,6 +149,14 @@ def problems_for_upstream(
             f"FP8 E4M3 KV reader below sm_{FP8_MIN_CAPABILITY[0]}{FP8_MIN_CAPABILITY[1]} (no native "
             f"FP8 there; ours decodes it); fix: --kv-cache-dtype auto, or {USE_OURS}"
         )
+    if text.get("ple_layer_ids"):
+        eos = text.get("eos_token_id", config.get("eos_token_id"))
+        if not isinstance(eos, int) or isinstance(eos, bool):
+            problems.append(
+                f"config.json eos_token_id={eos!r}: upstream's PLE n-gram hashing reads one end-of-document "
+                "id (int(config.eos_token_id), qwen4_exp/nvidia/model_state.py:46); fix: write a single "
+                f"integer id, or {USE_OURS}"
+            )
     try:
         table_format = ple_format.table_format_of(text)
     except ValueError as exc:

@@ -179,3 +179,12 @@ def test_cpu_build_stand_ins_refuse_naming_the_variable():
         text = str(err.value)
         assert text.startswith("QWEN4EXP_CUDA_MODEL=upstream") and "1 problem(s)" in text, text
         assert "needs vLLM's CUDA build" in text and "set QWEN4EXP_CUDA_MODEL=ours (or unset it)" in text
+
+
+def test_ple_needs_a_single_eos_id_for_upstream():
+    ple = {**CLEAN_CONFIG, "ple_layer_ids": [1]}
+    assert problems({**ple, "eos_token_id": 7}) == []
+    for eos in ([7, 8], None, "7"):
+        (found,) = problems({**ple, "eos_token_id": eos})
+        assert f"eos_token_id={eos!r}" in found and "QWEN4EXP_CUDA_MODEL=ours" in found
+    assert problems({**CLEAN_CONFIG, "eos_token_id": [7, 8]}) == []  # no PLE layers: not read

@@ -229,6 +229,20 @@ def refuse_unless_upstream_can_serve(
     ``cpu_build``: the caller is the CPU build's stand-in, which must refuse whatever the platform
     says (the "not CUDA" problem is then always in the list).
     """
+    problems = upstream_problems(vllm_config, cpu_build=cpu_build, env=env)
+    if problems:
+        raise ValueError(refusal_message(problems))
+
+
+def upstream_problems(
+    vllm_config: Any, *, cpu_build: bool = False, env: Mapping[str, str] | None = None
+) -> list[str]:
+    """:func:`problems_for_upstream` with the facts read from a ``VllmConfig`` and vLLM's platform.
+
+    The service calls it right after vLLM validated the engine configuration (exit 2 in a second,
+    with its other configuration problems); the subclasses call it again in the worker, where the
+    GPU's facts are certain.
+    """
     from vllm.platforms import current_platform
 
     model_config = vllm_config.model_config
@@ -246,5 +260,4 @@ def refuse_unless_upstream_can_serve(
         v2_runner=bool(vllm_config.use_v2_model_runner),
         quantization=getattr(model_config, "quantization", None),
     )
-    if problems:
-        raise ValueError(refusal_message(problems))
+    return problems

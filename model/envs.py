@@ -254,8 +254,8 @@ VARIABLES: tuple[EnvVar, ...] = (
         "KV scales, calibration, clip counters, FP8 KV below sm_89, FP8/NVFP4 PLE tables, AWQ/GPTQ) "
         "or lacks what upstream needs (Model Runner V2: `VLLM_USE_V2_MODEL_RUNNER=1`; "
         "`output_gate_type` in config.json; a top-k of 512/1024/2048 blocks). Opt-in until that "
-        "subclass has those features and has passed on a GPU. On the CPU build `upstream` fails at "
-        "model construction rather than serve ours.",
+        "subclass has those features and has passed on a GPU. The service checks this before serving "
+        "(exit 2; on the CPU build always, rather than serve ours), the model again at construction.",
         "use ours or upstream, or unset it (ours)",
     ),
     EnvVar(

@@ -169,6 +169,18 @@ def build_engine(vllm_config: VllmConfig, args: Namespace, lifecycle: Lifecycle)
     )
 
 
+def upstream_choice_problems(vllm_config: VllmConfig) -> list[str]:
+    """With ``QWEN4EXP_CUDA_MODEL=upstream``: why vLLM's own CUDA Qwen4-Exp cannot serve this
+    deployment, one line per reason (none otherwise). Checked here so that start-up stops in a
+    second instead of at model construction in the worker (which checks again)."""
+    from model import cuda_model_choice, envs
+
+    if envs.cuda_model() != "upstream":
+        return []
+    found = cuda_model_choice.upstream_problems(vllm_config, cpu_build=cuda_model_choice.vllm_is_cpu_build())
+    return [f"{envs.CUDA_MODEL}=upstream: {problem}" for problem in found]
+
+
 def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namespace]:
     """Device, vLLM config and vLLM args; every problem found is reported together."""
     problems = []
@@ -182,6 +194,8 @@ def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namesp
         vllm_config = engine_config(args)
     except SettingsError as exc:
         problems.append(str(exc))
+    else:
+        problems += upstream_choice_problems(vllm_config)
     if problems:
         raise SettingsError("\n".join(problems))
     return device, vllm_config, args

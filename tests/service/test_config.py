@@ -207,3 +207,18 @@ def test_device_and_engine_configuration_are_checked_before_serving(model_dir: s
     proc = run_service(env)
     assert_config_error(proc, "QWEN4EXP_DEVICE", "QWEN4EXP_MAX_MODEL_LEN")
     assert "'cpu'" in proc.stderr and "4096" in proc.stderr
+
+
+def test_upstream_cuda_model_is_refused_before_serving_with_every_reason(model_dir: str) -> None:
+    """``QWEN4EXP_CUDA_MODEL=upstream`` on this CPU build with the tiny checkpoint: the service stops
+    with exit 2 naming the variable, the build and the checkpoint's fields upstream cannot take."""
+    env = service_env(
+        QWEN4EXP_MODEL=model_dir,
+        QWEN4EXP_HOST="127.0.0.1",
+        QWEN4EXP_PORT=str(free_port()),
+        QWEN4EXP_CUDA_MODEL="upstream",
+    )
+    err = assert_config_error(run_service(env), "QWEN4EXP_CUDA_MODEL")
+    assert "needs vLLM's CUDA build" in err
+    assert "output_gate_type is missing or null" in err
+    assert "top-k of k = 4 blocks" in err

@@ -205,8 +205,8 @@ def registration_targets(choice: str, *, cpu_build: bool) -> dict[str, str]:
 
 
 def vllm_is_cpu_build() -> bool:
-    """Whether the installed vLLM is its CPU build, by vLLM's own rule (touches no GPU); the same
-    question ``service.cuda_preflight.installed_vllm_build`` asks."""
+    """Whether the installed vLLM is its CPU build, by vLLM's own rule (touches no GPU). The one
+    place this is decided: ``service.cuda_preflight.installed_vllm_build`` calls it too."""
     from vllm.platforms import vllm_version_matches_substr
 
     return vllm_version_matches_substr("cpu")

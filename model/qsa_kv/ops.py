@@ -38,16 +38,19 @@ def fp8_rows(
 def scatter_rows_(cache_rows: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """``cache_rows[slot // B, slot % B] = rows[t]`` for every ``slots[t] >= 0``, with static shapes.
 
-    ``cache_rows`` is the paged cache ``[num_blocks, B, C]``, any strides (vLLM's per-layer views
-    need not be contiguous). Padding rows are redirected to slot 0 and write back slot 0's current
-    content, so they change nothing. Slot 0 belongs to vLLM's null block (block id 0, never given to
-    a request), so no real row of the same step can target it and race with that write-back.
+    ``cache_rows`` is the paged cache ``[num_blocks, B, ...]`` (ours: ``[num_blocks, B, C]``;
+    upstream's K or V half: ``[num_blocks, B, heads, D]``), any strides (vLLM's per-layer views need
+    not be contiguous); ``rows`` is ``[T, ...]`` with the same trailing shape. Padding rows are
+    redirected to slot 0 and write back slot 0's current content, so they change nothing. Slot 0
+    belongs to vLLM's null block (block id 0, never given to a request), so no real row of the same
+    step can target it and race with that write-back.
     """
     block_size = cache_rows.shape[1]
     keep = slots >= 0
     target = torch.where(keep, slots, torch.zeros_like(slots))
     block, offset = target // block_size, target % block_size
-    rows = torch.where(keep.unsqueeze(-1), rows.to(cache_rows.dtype), cache_rows[block, offset])
+    keep_rows = keep.view(-1, *([1] * (cache_rows.dim() - 2)))
+    rows = torch.where(keep_rows, rows.to(cache_rows.dtype), cache_rows[block, offset])
     cache_rows.index_put_((block, offset), rows)
 
 

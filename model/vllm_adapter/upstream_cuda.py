@@ -9,15 +9,14 @@ here are thin subclasses of upstream's that fail closed: their ``__init__`` gath
 facts from ``vllm_config`` and raises one ``ValueError`` listing every problem
 (:func:`model.cuda_model_choice.problems_for_upstream`) before upstream builds anything.
 
-What they will gain, one by one, each lifting its refusal (until then the feature is refused, never
-served without):
+What they carry already, from :mod:`model.vllm_adapter.upstream_qsa` (installed when this module
+is imported on the CUDA build): the FP8 E4M3 QSA cache written by our encoder and read by our
+kernel's bit-trick decode on any GPU (sm_86, the RTX 3090, has no native FP8), the static per-layer
+K/V scale sidecar (``VLLM_QSA_KV_SCALES``), the calibration collector (``VLLM_QSA_KV_COLLECT``) and
+the device-side clip counters (``VLLM_QSA_KV_CLIP_COUNT``).
 
-* the FP8 E4M3 bit-trick reader for GPUs without native FP8 (sm_86, the RTX 3090) in upstream's
-  sparse attention and in its K/V prepare/store paths;
-* the static per-layer K/V scale sidecar (``VLLM_QSA_KV_SCALES``), the calibration collector
-  (``VLLM_QSA_KV_COLLECT``) and the device-side clip counters (``VLLM_QSA_KV_CLIP_COUNT``);
-* FP8 E4M3 and NVFP4 PLE tables (``model.ple_format``);
-* verified AWQ/GPTQ checkpoints.
+What they will gain, each lifting its refusal (until then the feature is refused, never served
+without): FP8 E4M3 and NVFP4 PLE tables (``model.ple_format``), and verified AWQ/GPTQ checkpoints.
 
 Upstream also needs settings ours does not: Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``),
 ``output_gate_type`` written in config.json, and a QSA top-k of 512, 1024 or 2048 blocks; those are
@@ -59,6 +58,11 @@ else:
     from vllm.models.qwen4_exp.nvidia.model import (
         Qwen4ExpForConditionalGeneration as _UpstreamForConditionalGeneration,
     )
+
+    from model.vllm_adapter import upstream_qsa
+
+    # Before any model is built: upstream's decoder layers then construct our QSA owner.
+    upstream_qsa.install()
 
     class Qwen4ExpForCausalLM(_UpstreamForCausalLM):
         """Upstream's text model; refuses, before building anything, what upstream cannot serve

@@ -1,6 +1,6 @@
 """``QWEN4EXP_CUDA_MODEL=upstream`` on vLLM's CUDA build: vLLM's own Qwen4-Exp serves through our
-fail-closed subclass (``model.vllm_adapter.upstream_cuda``) with transformers' greedy tokens, and a
-feature only ours has (``VLLM_QSA_KV_SCALES``) stops start-up naming it.
+fail-closed subclass (``model.vllm_adapter.upstream_cuda``) with transformers' greedy tokens, and the
+3090's FP8 QSA cache (our encoder and kernel, the calibrated sidecar, clip counters) runs on it.
 
 One engine per child process (a fresh interpreter): the implementation is registered when vLLM loads
 the plugin, and upstream needs Model Runner V2 where this directory's conftest pins V1 for ours. The
@@ -38,6 +38,7 @@ from model.cuda_model_choice import vllm_is_cpu_build
 from tests.gpu.engine import cuda_engine_args
 
 path, prompts_file, out_file, max_new = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+engine_overrides = json.loads(sys.argv[5])
 result = {"notes": []}
 try:
     if not vllm_is_cpu_build():  # upstream cannot be imported on the CPU build (a dry run)
@@ -45,20 +46,48 @@ try:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=path, dtype="bfloat16", max_model_len=4096, seed=0, enable_prefix_caching=False,
-              **cuda_engine_args())
+              **cuda_engine_args(**engine_overrides))
     result["model_class"] = llm.apply_model(lambda m: f"{type(m).__module__}.{type(m).__qualname__}")[0]
     prompts = json.load(open(prompts_file))
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts.values()], params, use_tqdm=False)
     result["tokens"] = {n: list(o.outputs[0].token_ids) for n, o in zip(prompts, outs, strict=True)}
+
+    def kv_report(model):
+        from model.qsa_kv.runtime import get_runtime
+
+        layers = {}
+        for module in model.modules():
+            state = getattr(module, "kv_state", None)
+            if state is None or not hasattr(module, "use_fused_qsa_prepare"):
+                continue
+            layers[state.layer_name] = dict(
+                kv_format=state.kv_format,
+                scales=[state.k_scale.item(), state.v_scale.item(), module._k_scale_float, module._v_scale_float],
+                clips=None if state.clip_counts is None else state.clip_counts.tolist(),
+                fused_prepare=bool(module.use_fused_qsa_prepare),
+                impl=type(module.impl).__name__,
+            )
+        dump = get_runtime().dump_calibration(final=True)
+        return dict(layers=layers, dump=None if dump is None else str(dump))
+
+    result["kv"] = llm.apply_model(kv_report)[0]
 except Exception as exc:
     result["error"] = f"{type(exc).__name__}: {exc}"
 json.dump(result, open(out_file, "w"))
 """
 
 
-def run_upstream(tmp_path: Path, path: Path, prompts: dict[str, list[int]], **env) -> dict:
-    """One engine with ``QWEN4EXP_CUDA_MODEL=upstream`` in a child; its result (or its error)."""
+def run_upstream(
+    tmp_path: Path, path: Path, prompts: dict[str, list[int]], engine: dict | None = None, **env
+) -> dict:
+    """One engine with ``QWEN4EXP_CUDA_MODEL=upstream`` in a child; its result (or its error).
+
+    ``engine``: overrides of the engine arguments (e.g. ``kv_cache_dtype``); ``env``: the child's
+    extra environment. The result has the greedy tokens and, per QSA layer, what our subclass
+    holds (KV format, scales as our kernel and upstream read them, clip counts, fused prepare on/off,
+    impl class), and the calibration dump it wrote if collecting."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     out, log = tmp_path / "result.json", tmp_path / "child.log"
     child_env = {
@@ -79,6 +108,7 @@ def run_upstream(tmp_path: Path, path: Path, prompts: dict[str, list[int]], **en
                 str(tmp_path / "prompts.json"),
                 str(out),
                 str(MAX_NEW_TOKENS),
+                json.dumps(engine or {}),
             ],
             cwd=ROOT,
             env=child_env,
@@ -93,7 +123,7 @@ def run_upstream(tmp_path: Path, path: Path, prompts: dict[str, list[int]], **en
     return result
 
 
-def test_upstream_serves_qsa512_through_our_subclass(tmp_path):
+def qsa512_prompts() -> tuple[Path, dict[str, list[int]]]:
     from transformers import AutoTokenizer
 
     path = ensure_checkpoint("qsa512")
@@ -103,18 +133,70 @@ def test_upstream_serves_qsa512_through_our_subclass(tmp_path):
     long_ids = tokenizer(" ".join(SENTENCES[(5 * i) % len(SENTENCES)] for i in range(160)))["input_ids"]
     prompts["beyond_budget"] = long_ids[:3000]
     assert len(prompts["beyond_budget"]) == 3000
-    got = run_upstream(tmp_path, path, prompts)
+    return path, prompts
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory):
+    path, prompts = qsa512_prompts()
+    got = run_upstream(tmp_path_factory.mktemp("bf16"), path, prompts)
     assert "error" not in got, f"{got['error']}\n{got['log_tail']}"
+    return path, prompts, got
+
+
+def test_upstream_serves_qsa512_through_our_subclass(bf16_run):
+    path, prompts, got = bf16_run
     print(f"loaded {got['model_class']}; notes {got['notes']}")
     assert got["model_class"] == SUBCLASS
+    # Our owner class is in every QSA layer; a BF16 deployment that does not calibrate keeps
+    # upstream's fused prepare and impl paths.
+    layers = got["kv"]["layers"]
+    assert layers and all(v["impl"] == "Sm86FP8QSAImpl" and v["kv_format"] == "bf16" for v in layers.values())
+    assert all(v["fused_prepare"] for v in layers.values()), layers
     assert_same(got["tokens"], reference_greedy(path, prompts, REF_DEVICE))
 
 
-def test_upstream_refuses_kv_scales_at_start_up(tmp_path):
-    path = ensure_checkpoint("qsa512")
-    got = run_upstream(tmp_path, path, {"one": [5]}, VLLM_QSA_KV_SCALES=str(tmp_path / "scales.json"))
-    assert "model_class" not in got, "the engine started although VLLM_QSA_KV_SCALES was set"
-    # The subclass's ValueError, whether vLLM re-raises it as is or wraps it (then it is in the log).
-    text = f"{got['error']}\n{got['log_tail']}"
-    assert "QWEN4EXP_CUDA_MODEL=upstream (vLLM's own CUDA Qwen4-Exp) cannot serve" in text, text
-    assert "VLLM_QSA_KV_SCALES=" in text and "upstream has no static per-layer FP8" in text, text
+def test_upstream_fp8_cache_with_calibrated_sidecar_and_clip_counters(bf16_run, tmp_path):
+    """The 3090's FP8 path on upstream: calibrate on the BF16 cache (collector, unfused prepare),
+    merge the dumps into a sidecar, then serve an FP8 cache written by our encoder and read by our
+    kernel with those scales and the clip counter on; the greedy tokens stay close to BF16's."""
+    path, prompts, bf16 = bf16_run
+    dumps = tmp_path / "dumps"
+    calib = run_upstream(tmp_path / "calib", path, prompts, VLLM_QSA_KV_COLLECT=str(dumps))
+    assert "error" not in calib, f"{calib['error']}\n{calib['log_tail']}"
+    assert calib["tokens"] == bf16["tokens"], "the collector changed the tokens"
+    assert not any(v["fused_prepare"] for v in calib["kv"]["layers"].values())
+    assert calib["kv"]["dump"], "no calibration dump written"
+
+    sidecar = tmp_path / "scales.json"
+    merge = subprocess.run(
+        [sys.executable, "-m", "model.qsa_kv.merge", "--out", str(sidecar), str(dumps), "--margin", "1.1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert merge.returncode == 0, merge.stdout + merge.stderr
+    scales = json.loads(sidecar.read_text())
+    assert set(scales) == set(calib["kv"]["layers"]), (scales, calib["kv"]["layers"])
+
+    fp8 = run_upstream(
+        tmp_path / "fp8",
+        path,
+        prompts,
+        engine={"kv_cache_dtype": "fp8"},
+        VLLM_QSA_KV_SCALES=str(sidecar),
+        VLLM_QSA_KV_CLIP_COUNT="0.5",
+    )
+    assert "error" not in fp8, f"{fp8['error']}\n{fp8['log_tail']}"
+    for name, layer in fp8["kv"]["layers"].items():
+        want = [scales[name]["k_scale"], scales[name]["v_scale"]]
+        assert layer["kv_format"] == "fp8_e4m3" and not layer["fused_prepare"], (name, layer)
+        # Our device scalars and upstream's host floats hold the sidecar's numbers.
+        assert layer["scales"] == pytest.approx(want * 2, rel=1e-6), (name, layer)
+        assert layer["clips"] is not None and len(layer["clips"]) == 2, (name, layer)
+    same = sum(fp8["tokens"][n] == bf16["tokens"][n] for n in prompts)
+    first = sum(fp8["tokens"][n][:1] == bf16["tokens"][n][:1] for n in prompts)
+    print(
+        f"FP8 KV (our reader on upstream): {same}/{len(prompts)} completions equal to BF16's; first token {first}"
+    )
+    assert first >= len(prompts) - 1, (fp8["tokens"], bf16["tokens"])

@@ -279,6 +279,33 @@ def test_kernel_matches_reference(kv_format: str, group: int, num_splits: int, i
     assert torch.count_nonzero(out[2]) == 0
 
 
+def test_kernel_reads_upstream_cache_layout_and_packed_selection(interpreted: bool) -> None:
+    """vLLM's own Qwen4-Exp binds ``[blocks, kv_heads, page, 2*D]`` (K then V in the last dim) and
+    packs the count as a trailing selection column; our subclass hands the kernel strided views of
+    both (``upstream_qsa_glue``). The kernel must read them as the loop over the definition does."""
+    if not interpreted:
+        return
+    from model.vllm_adapter.upstream_qsa_glue import cache_halves, split_packed_selection
+
+    c = make_case(num_tokens=4, num_q_heads=4, num_kv_heads=2, width=24, counts=[24, 3, 0, 11], seed=5)
+    _encode_case(c, "fp8_e4m3", 0.5, 0.25)
+    blocks, page, heads, dim = c.k_cache.shape
+    bound = torch.zeros((blocks, heads, page, 2 * dim), dtype=torch.uint8)
+    key_view, value_view = cache_halves(bound, dim)
+    key_view.copy_(c.k_cache)
+    value_view.copy_(c.v_cache)
+    assert not key_view.is_contiguous()
+    packed = torch.cat([c.selected, c.num_selected.unsqueeze(1)], dim=1)
+    selected, counts = split_packed_selection(packed)
+    out = qsa_kernels.sparse_paged_attention(
+        c.q, key_view, value_view, c.block_table, c.token_req_idx, selected, counts, c.scale,
+        torch.tensor([0.5]), torch.tensor([0.25]), num_splits=None, kv_format="fp8_e4m3", block_n=16,
+    )  # fmt: skip
+    want = naive_attention(c, 0.5, 0.25)
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    assert torch.count_nonzero(out[2]) == 0
+
+
 def test_kernel_group8_headdim128_e5m2_tensor_scales_auto_splits(interpreted: bool) -> None:
     if not interpreted:
         return

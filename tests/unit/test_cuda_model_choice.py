@@ -52,6 +52,12 @@ def test_clean_cuda_deployment_has_no_problems(config):
     assert problems(config, kv_cache_dtype="fp8", capability=(8, 9)) == []
     assert problems(config, kv_cache_dtype="fp8_e4m3", capability=(9, 0)) == []
     assert problems(config, kv_cache_dtype="bfloat16") == []
+    # The FP8 main cache below sm_89 and our K/V features: our subclass carries them (upstream_qsa).
+    assert problems(config, kv_cache_dtype="fp8", capability=(8, 6)) == []
+    assert problems(config, kv_cache_dtype="fp8_e4m3", capability=None) == []
+    kv_env = {envs.QSA_KV_SCALES: "/s.json", envs.QSA_KV_COLLECT: "/tmp/c", envs.QSA_KV_CLIP_COUNT: "5"}
+    assert problems(config, kv_env, kv_cache_dtype="fp8", capability=(8, 6)) == []
+    assert problems(config, indexer_kv_dtype="fp8", capability=(9, 0)) == []
     for k in choice.UPSTREAM_TOPK_BLOCKS:
         assert problems({**CLEAN_CONFIG, "indexer_budget": 4 * k}) == []
     # Unset or empty variables are not features in use.
@@ -66,11 +72,12 @@ def test_each_problem_names_its_variable_and_the_fix():
         "output_gate_type='tanh'": dict(config={**CLEAN_CONFIG, "output_gate_type": "tanh"}),
         "k = 256 blocks": dict(config={**CLEAN_CONFIG, "indexer_budget": 1024}),
         "no whole number of blocks": dict(config={**CLEAN_CONFIG, "indexer_budget": 2050}),
-        "VLLM_QSA_KV_SCALES='/s.json' is set": dict(env={envs.QSA_KV_SCALES: "/s.json"}),
-        "VLLM_QSA_KV_COLLECT='/tmp/c' is set": dict(env={envs.QSA_KV_COLLECT: "/tmp/c"}),
-        "VLLM_QSA_KV_CLIP_COUNT='5' is set": dict(env={envs.QSA_KV_CLIP_COUNT: "5"}),
-        "compute capability sm_86": dict(kv_cache_dtype="fp8", capability=(8, 6)),
-        "compute capability unknown": dict(kv_cache_dtype="fp8_e4m3", capability=None),
+        "indexer_kv_dtype=fp8 on a GPU of compute capability sm_86": dict(
+            indexer_kv_dtype="fp8", capability=(8, 6)
+        ),
+        "indexer_kv_dtype=fp8 on a GPU of compute capability unknown": dict(
+            indexer_kv_dtype="fp8", capability=None
+        ),
         "--kv-cache-dtype fp8_e5m2": dict(kv_cache_dtype="fp8_e5m2"),
         "ple_embedding_dtype declares nvfp4": dict(config={**CLEAN_CONFIG, "ple_embedding_dtype": "nvfp4"}),
         "declares fp8_e4m3 PLE tables": dict(
@@ -107,12 +114,21 @@ def test_all_problems_are_reported_at_once():
         "quantization_config": {"quant_method": "gptq"},
     }
     env = {envs.QSA_KV_SCALES: "s.json", envs.QSA_KV_COLLECT: "d", envs.QSA_KV_CLIP_COUNT: "1"}
-    found = problems(bad_config, env, v2_runner=False, kv_cache_dtype="fp8", capability=(8, 6))
-    assert len(found) == 9, found
+    found = problems(
+        bad_config, env, v2_runner=False, kv_cache_dtype="fp8", capability=(8, 6), indexer_kv_dtype="fp8"
+    )
+    assert len(found) == 6, found
     text = choice.refusal_message(found)
     assert text.startswith("QWEN4EXP_CUDA_MODEL=upstream (vLLM's own CUDA Qwen4-Exp) cannot serve")
-    assert "9 problem(s)" in text and text.count("\n  - ") == 9
-    for name in (envs.QSA_KV_SCALES, envs.QSA_KV_COLLECT, envs.QSA_KV_CLIP_COUNT, "VLLM_USE_V2_MODEL_RUNNER"):
+    assert "6 problem(s)" in text and text.count("\n  - ") == 6
+    for name in (
+        "VLLM_USE_V2_MODEL_RUNNER",
+        "output_gate_type",
+        "indexer_budget",
+        "nvfp4",
+        "gptq",
+        "indexer_kv_dtype",
+    ):
         assert name in text
 
 

@@ -11,6 +11,9 @@ printed so a run without a hit cannot pass for a fast one.
     VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 .venv/bin/python bench/bench_prefix_cache.py --model checkpoints/tiny
 
 Runs on vLLM's CPU build (eager, bf16) and on CUDA (``--cuda-graphs`` to leave graphs on).
+``--upstream`` (CUDA) serves vLLM's own Qwen4-Exp through our subclass (``QWEN4EXP_CUDA_MODEL=upstream``,
+Model Runner V2, the engine core in this process, as ``bench/bench_ours_vs_upstream.py`` runs it);
+it needs a checkpoint upstream takes, e.g. ``qsa512``.
 """
 
 from __future__ import annotations
@@ -77,7 +80,17 @@ def main() -> None:
     parser.add_argument("--no-control", action="store_true", help="skip the prefix-caching-off run")
     parser.add_argument("--cuda-graphs", action="store_true", help="do not pass enforce_eager (CUDA)")
     parser.add_argument("--gpu-mem", type=float, default=0.5, help="gpu_memory_utilization (CUDA)")
+    parser.add_argument("--upstream", action="store_true", help="QWEN4EXP_CUDA_MODEL=upstream (CUDA)")
     args = parser.parse_args()
+    if args.upstream:
+        os.environ.update(
+            QWEN4EXP_CUDA_MODEL="upstream", VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"
+        )
+        from bench.bench_ours_vs_upstream import _disable_upstream_cute_dsl_if_missing
+
+        note = _disable_upstream_cute_dsl_if_missing()
+        if note:
+            print(note)
 
     import json
     from pathlib import Path
@@ -96,7 +109,8 @@ def main() -> None:
 
     print(
         f"\nmodel {args.model}, prompt {args.prefix_len} + {args.suffix_len} tokens, twice with a "
-        f"different suffix, bf16, {current_platform.device_type} ({os.cpu_count()} cores)\n"
+        f"different suffix, bf16, {current_platform.device_type} ({os.cpu_count()} cores), "
+        f"{'upstream' if args.upstream else 'ours'}, {'graphs' if args.cuda_graphs else 'eager'}\n"
     )
     print("| prefix caching | TTFT 1st (s) | TTFT 2nd (s) | cached tokens 2nd | 1st / 2nd |")
     print("|---|---|---|---|---|")

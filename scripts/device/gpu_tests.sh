@@ -2,7 +2,8 @@
 # On the lent GPU machine, after unpack.sh: the GPU judges that start engines, three streams at once
 # (each engine reserves its KV cache by size, so vLLM's memory profiling is not confused by the
 # others): engine parity (eager + chunked), the service on CUDA, quantized pairs through Marlin,
-# and (named in STREAMS) the kernel judges + batched QSA selection, prefix caching on CUDA.
+# and (named in STREAMS) the kernel judges + batched QSA selection, prefix caching on CUDA, and
+# upstream (vLLM's own Qwen4-Exp with our FP8 subclass, plus tests/upstream on the CUDA build).
 # Logs and a summary go to $1. STREAMS picks the streams (default "parity service marlin").
 set -uo pipefail
 out=${1:?log dir}; mkdir -p "$out"
@@ -24,6 +25,8 @@ want marlin && stream marlin 6-7 "${MARLIN_S:-420}" tests/gpu/test_quant_marlin.
 want kernels && stream kernels 3-4 "${KERNELS_S:-300}" tests/gpu/test_ple_gather.py tests/gpu/test_qsa_clip.py \
   tests/gpu/test_qsa_kernel.py tests/unit/test_qsa_batched_selection.py &
 want prefix && stream prefix 5 "${PREFIX_S:-420}" tests/gpu/test_prefix_cache_cuda.py &
+# vLLM's own Qwen4-Exp through our subclass (its children set Model Runner V2 themselves).
+want upstream && stream upstream 0-2 "${UPSTREAM_S:-900}" tests/gpu/test_upstream_cuda.py tests/upstream &
 wait
 mkdir -p "$out/pytest-tmp"
 find /tmp/pytest-of-* -name "*.log" -size -4M -exec cp --backup=numbered {} "$out/pytest-tmp/" \; 2>/dev/null

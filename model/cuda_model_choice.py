@@ -37,6 +37,9 @@ UPSTREAM_KV_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 # reads the QSA *main* cache's E4M3 codes itself, on any GPU; upstream's optional FP8 *indexer* cache
 # multiplies FP8 by FP8 in Triton, which needs native FP8, so it is refused below this.
 FP8_MIN_CAPABILITY = (8, 9)
+# PLE table formats our subclass makes upstream read (model.vllm_adapter.upstream_ple, whose
+# supported_ple_formats() a test holds equal to this; kept here so the decision imports no upstream).
+UPSTREAM_PLE_FORMATS = ("bf16", "fp8_e4m3", "nvfp4")
 # vLLM's GDN layer accepts these; null makes it fail an assertion (transformers reads null as hidden_act).
 OUTPUT_GATE_TYPES = ("silu", "swish", "sigmoid")
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
@@ -156,10 +159,10 @@ def problems_for_upstream(
     except ValueError as exc:
         problems.append(f"{exc}; fix: correct config.json, or {USE_OURS}")
     else:
-        if table_format != "bf16":
+        if table_format not in UPSTREAM_PLE_FORMATS:
             problems.append(
-                f"config.json {ple_format.FIELD} declares {table_format} PLE tables: upstream reads "
-                f"only bf16 ones (ours reads fp8_e4m3 and nvfp4 too); fix: {USE_OURS}"
+                f"config.json {ple_format.FIELD} declares {table_format} PLE tables: our upstream subclass "
+                f"reads only {', '.join(UPSTREAM_PLE_FORMATS)}; fix: {USE_OURS}"
             )
     for source, method in (
         ("config.json quantization_config.quant_method", _quant_method(config)),

@@ -15,8 +15,11 @@ kernel's bit-trick decode on any GPU (sm_86, the RTX 3090, has no native FP8), t
 K/V scale sidecar (``VLLM_QSA_KV_SCALES``), the calibration collector (``VLLM_QSA_KV_COLLECT``) and
 the device-side clip counters (``VLLM_QSA_KV_CLIP_COUNT``).
 
-What they will gain, each lifting its refusal (until then the feature is refused, never served
-without): FP8 E4M3 and NVFP4 PLE tables (``model.ple_format``), and verified AWQ/GPTQ checkpoints.
+From :mod:`model.vllm_adapter.upstream_ple`: our FP8 E4M3 and NVFP4 PLE tables (``model.ple_format``),
+decoded exactly as ours decodes them, and PLE tables kept away from the weight quantizer (so AWQ/GPTQ
+configs construct). With any weight quantization the QSA indexer projection stays its own
+(unquantized) layer, as our checkpoints keep it. Still refused until shown on a GPU: AWQ/GPTQ
+checkpoints.
 
 Upstream also needs settings ours does not: Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``),
 ``output_gate_type`` written in config.json, and a QSA top-k of 512, 1024 or 2048 blocks; those are
@@ -59,14 +62,18 @@ else:
         Qwen4ExpForConditionalGeneration as _UpstreamForConditionalGeneration,
     )
 
-    from model.vllm_adapter import upstream_qsa
+    from model.vllm_adapter import upstream_ple, upstream_qsa
 
-    # Before any model is built: upstream's decoder layers then construct our QSA owner.
+    # Before any model is built: upstream's decoder layers then construct our QSA owner, and its
+    # PLE layers our table formats.
     upstream_qsa.install()
+    upstream_ple.install()
 
     class Qwen4ExpForCausalLM(_UpstreamForCausalLM):
         """Upstream's text model; refuses, before building anything, what upstream cannot serve
         (see the module docstring for the list and what this class will gain)."""
+
+        packed_modules_mapping = upstream_qsa.unfused_qkv_mapping(_UpstreamForCausalLM.packed_modules_mapping)
 
         def __init__(self, *, vllm_config, prefix: str = "") -> None:
             refuse_unless_upstream_can_serve(vllm_config)
@@ -75,6 +82,10 @@ else:
     class Qwen4ExpForConditionalGeneration(_UpstreamForConditionalGeneration):
         """Upstream's vision-language model (its multimodal processor is inherited); refuses what
         upstream cannot serve, like :class:`Qwen4ExpForCausalLM`."""
+
+        packed_modules_mapping = upstream_qsa.unfused_qkv_mapping(
+            _UpstreamForConditionalGeneration.packed_modules_mapping
+        )
 
         def __init__(self, *, vllm_config, prefix: str = "model") -> None:
             refuse_unless_upstream_can_serve(vllm_config)

@@ -28,9 +28,11 @@ CUDA build (or a test through ``tests.upstream.importer``) imports it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
+from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.models.qwen4_exp.nvidia import model as upstream_model
 from vllm.models.qwen4_exp.nvidia import qsa as upstream_qsa
 from vllm.v1.attention.backend import AttentionType
@@ -108,18 +110,62 @@ class Sm86FP8QSAImpl(_UpstreamImpl):
         return output
 
 
+def unfused_qkv_mapping(mapping: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Upstream's ``packed_modules_mapping`` without the indexer in ``qkv_proj``.
+
+    A quantization config decides whether a fused layer is quantized from its shards' names; with
+    the indexer listed as a ``qkv_proj`` shard, a checkpoint that keeps the indexer in bf16 (ours
+    always do, ``model.quantize``) while q/k/v are quantized fails at start-up ("Detected some but
+    not all shards ... are quantized"). Our owner keeps the indexer projection separate whenever a
+    quantization config is active, so the mapping must say so."""
+    return {**mapping, "qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+
+
+@contextlib.contextmanager
+def _indexer_projection_kept_separate():
+    """While upstream's owner constructor runs: its fusing step returns the plain QKV projection.
+
+    Upstream fuses the indexer's Q/K projection into the QKV GEMM unless LoRA is on, and only its
+    constructor can decide it; the module attribute it looks the fused class up by is swapped for
+    the constructor's duration (model construction is single-threaded)."""
+    fused = upstream_qsa.Qwen4ExpQSAQKVIndexerLinear
+    upstream_qsa.Qwen4ExpQSAQKVIndexerLinear = lambda qkv_proj, index_size, quant_config: qkv_proj
+    try:
+        yield
+    finally:
+        upstream_qsa.Qwen4ExpQSAQKVIndexerLinear = fused
+
+
 class Qwen4ExpQSAAttentionSm86(_UpstreamOwner):
-    """Upstream's QSA owner with our KV state and impl (see the module docstring)."""
+    """Upstream's QSA owner with our KV state and impl (see the module docstring).
+
+    With a quantization config (other than ModelOpt FP4, which upstream leaves out of these layers)
+    the indexer projection stays its own layer, unquantized where the checkpoint's ignore list says
+    so, instead of a fourth shard of the quantized QKV GEMM (:func:`unfused_qkv_mapping`)."""
 
     def __init__(self, *, vllm_config, config, layer_id, quant_config=None, reduce_results=True, prefix=""):
-        super().__init__(
-            vllm_config=vllm_config,
-            config=config,
-            layer_id=layer_id,
-            quant_config=quant_config,
-            reduce_results=reduce_results,
-            prefix=prefix,
-        )
+        separate = upstream_model.without_modelopt_fp4(quant_config) is not None
+        with _indexer_projection_kept_separate() if separate else contextlib.nullcontext():
+            super().__init__(
+                vllm_config=vllm_config,
+                config=config,
+                layer_id=layer_id,
+                quant_config=quant_config,
+                reduce_results=reduce_results,
+                prefix=prefix,
+            )
+        if separate and self.fuse_indexer_projection:
+            # The constructor deleted the indexer's projection when it "fused" it: build it again,
+            # as upstream's own unfused (LoRA) path has it.
+            indexer = self.indexer
+            indexer.index_qk_proj = ReplicatedLinear(
+                int(config.hidden_size),
+                (indexer.index_n_heads + indexer.index_kv_heads) * indexer.index_head_dim,
+                bias=False,
+                quant_config=quant_config,
+                prefix=f"{prefix}.indexer.index_qk_proj",
+            )
+            self.fuse_indexer_projection = False
         # Named like ours (the owner's prefix, e.g. "model.layers.3.self_attn"), so one sidecar and
         # one calibration dump serve either implementation.
         self.kv_state = QSAKVState(

@@ -244,3 +244,56 @@ def test_install_rebinds_the_owner_and_guards_the_fp8_warmup(upstream_qsa):
         "ran",
     )
     assert calls == [torch.bfloat16]
+
+
+def test_mapping_keeps_the_indexer_out_of_qkv_and_the_subclass_says_so(upstream_qsa):
+    import vllm.models.qwen4_exp.nvidia.model as upstream_model
+
+    ours = upstream_qsa.unfused_qkv_mapping(upstream_model.Qwen4ExpForCausalLM.packed_modules_mapping)
+    assert ours["qkv_proj"] == ["q_proj", "k_proj", "v_proj"]
+    assert "indexer.index_qk_proj" in upstream_model.Qwen4ExpForCausalLM.packed_modules_mapping["qkv_proj"]
+    assert {k: v for k, v in ours.items() if k != "qkv_proj"} == {
+        k: v for k, v in upstream_model.Qwen4ExpForCausalLM.packed_modules_mapping.items() if k != "qkv_proj"
+    }
+    # While the owner's constructor runs, "fusing" returns the plain projection; afterwards upstream's class is back.
+    fused = upstream_qsa.upstream_qsa.Qwen4ExpQSAQKVIndexerLinear
+    with upstream_qsa._indexer_projection_kept_separate():
+        sentinel = object()
+        assert upstream_qsa.upstream_qsa.Qwen4ExpQSAQKVIndexerLinear(sentinel, 8, None) is sentinel
+    assert upstream_qsa.upstream_qsa.Qwen4ExpQSAQKVIndexerLinear is fused
+
+
+def test_decision_module_lists_the_ple_formats_the_subclass_reads():
+    from model.cuda_model_choice import UPSTREAM_PLE_FORMATS
+
+    upstream_ple = import_upstream("model.vllm_adapter.upstream_ple")
+    assert tuple(upstream_ple.supported_ple_formats()) == UPSTREAM_PLE_FORMATS
+
+
+def test_cuda_branch_of_the_upstream_module_imports_and_installs(monkeypatch):
+    """What vLLM's CUDA build imports for QWEN4EXP_CUDA_MODEL=upstream, imported here with the build
+    check answered "CUDA": the subclasses exist with our mapping, and both installs ran."""
+    import importlib
+    import sys
+
+    import model.cuda_model_choice as choice
+
+    import_upstream("vllm.models.qwen4_exp.nvidia.model")
+    import vllm.models.qwen4_exp.nvidia.model as upstream_model
+    import vllm.models.qwen4_exp.nvidia.ple_layer as upstream_ple_layer
+
+    monkeypatch.setattr(choice, "vllm_is_cpu_build", lambda: False)
+    monkeypatch.delitem(sys.modules, "model.vllm_adapter.upstream_cuda", raising=False)
+    monkeypatch.setattr(upstream_model, "Qwen4ExpQSAAttention", upstream_model.Qwen4ExpQSAAttention)
+    monkeypatch.setattr(
+        upstream_ple_layer, "Qwen4ExpNGramEmbedding", upstream_ple_layer.Qwen4ExpNGramEmbedding
+    )
+    cuda_module = importlib.import_module("model.vllm_adapter.upstream_cuda")
+    try:
+        assert issubclass(cuda_module.Qwen4ExpForCausalLM, upstream_model.Qwen4ExpForCausalLM)
+        for cls in (cuda_module.Qwen4ExpForCausalLM, cuda_module.Qwen4ExpForConditionalGeneration):
+            assert cls.packed_modules_mapping["qkv_proj"] == ["q_proj", "k_proj", "v_proj"]
+        assert upstream_model.Qwen4ExpQSAAttention.__name__ == "Qwen4ExpQSAAttentionSm86"
+        assert upstream_ple_layer.Qwen4ExpNGramEmbedding.__module__ == "model.vllm_adapter.upstream_ple"
+    finally:
+        sys.modules.pop("model.vllm_adapter.upstream_cuda", None)

@@ -18,7 +18,8 @@ Targets are lazy ``module:Class`` strings, so upstream's module is imported only
 the class. A malformed ``QWEN4EXP_CUDA_MODEL`` raises here (the service refuses it earlier).
 
 It also installs the engine guard (``model.engine_guard``), so that one failing model step fails
-its requests instead of the whole engine.
+its requests instead of the whole engine, and our corrections of vLLM bugs that would make a
+supported deployment silently wrong (``model.vllm_fixes``).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from model import cuda_model_choice, envs
 def register() -> None:
     from vllm import ModelRegistry
 
-    from model import engine_guard
+    from model import engine_guard, vllm_fixes
 
     engine_guard.install()
+    vllm_fixes.install()
 
     targets = cuda_model_choice.registration_targets(
         envs.cuda_model(), cpu_build=cuda_model_choice.vllm_is_cpu_build()

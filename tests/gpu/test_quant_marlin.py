@@ -11,13 +11,15 @@ take the 3090's (see there), and every engine records the kernel each layer fami
 (``kernel_record``, printed; ``kernel_problems`` asserts it is the 3090's). Skipped without CUDA and
 vLLM's CUDA build (``tests/gpu/conftest.py``).
 
-Known vLLM 0.32 bug the tiny W4A16 pairs hit (on a 3090 too): Marlin MoE permutes the gate/up (w13)
-scales with ``size_k=intermediate_size_per_partition`` instead of the hidden size
-(``model_executor/layers/fused_moe/oracle/int_wna16.py:688-692``); ``marlin_permute_scales``
+vLLM 0.32 bug the tiny W4A16 pairs exposed (on a 3090 too), corrected by our plugin
+(``model.vllm_fixes``): Marlin MoE permutes the gate/up (w13) scales with
+``size_k=intermediate_size_per_partition`` instead of the hidden size
+(``model_executor/layers/fused_moe/oracle/int_wna16.py:686-692``); ``marlin_permute_scales``
 (``quantization/utils/marlin_utils.py:528``) then takes the per-channel permutation whenever
 intermediate <= group (tiny: 64 == 64) although the kernel, seeing 2 groups along K = hidden 128,
-reads grouped scales. 48% of tiny's w13 scales land on the wrong column (2x or 0.5x here). The
-``-g32`` pair is the control: 32-wide groups (< 64) take the right permutation.
+reads grouped scales: 48% of tiny's w13 scales landed on the wrong column (2x or 0.5x). Without the
+fix, ``chat`` differed at token 0 (experts) and token 1 (all). The ``-g32`` pair is the control:
+32-wide groups (< 64) take the right permutation either way.
 
 Run: ``python -m pytest tests/gpu/test_quant_marlin.py -v -s``
 """

@@ -25,6 +25,7 @@ from tests.parity.prompts import SENTENCES, parity_prompts
 from tests.parity.test_generation_parity import MAX_NEW_TOKENS, assert_same
 
 from .test_engine_parity import REF_DEVICE, reference_greedy
+from .test_quant_marlin import SM86_ENV, kernel_problems, sm86_engine_args
 
 pytestmark = pytest.mark.vllm_cuda
 
@@ -49,9 +50,16 @@ try:
               **cuda_engine_args(**engine_overrides))
     result["model_class"] = llm.apply_model(lambda m: f"{type(m).__module__}.{type(m).__qualname__}")[0]
     prompts = json.load(open(prompts_file))
-    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts.values()], params, use_tqdm=False)
     result["tokens"] = {n: list(o.outputs[0].token_ids) for n, o in zip(prompts, outs, strict=True)}
+    result["logprobs"] = {
+        n: [[[t, lp.logprob] for t, lp in step.items()] for step in o.outputs[0].logprobs]
+        for n, o in zip(prompts, outs, strict=True)
+    }
+    from tests.gpu.test_quant_marlin import kernel_record
+
+    result["kernels"] = llm.apply_model(kernel_record)[0]
 
     def kv_report(model):
         from model.qsa_kv.runtime import get_runtime
@@ -95,6 +103,7 @@ def run_upstream(
         "QWEN4EXP_CUDA_MODEL": "upstream",
         "VLLM_USE_V2_MODEL_RUNNER": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         **env,
     }
@@ -200,3 +209,69 @@ def test_upstream_fp8_cache_with_calibrated_sidecar_and_clip_counters(bf16_run, 
         f"FP8 KV (our reader on upstream): {same}/{len(prompts)} completions equal to BF16's; first token {first}"
     )
     assert first >= len(prompts) - 1, (fp8["tokens"], bf16["tokens"])
+
+
+# Quantized weights and our PLE table formats through upstream, each against its bf16 twin holding
+# the dequantized values (power-of-two scales): the 3090's kernels (SM86_ENV, sm86_engine_args, as in
+# test_quant_marlin.py). 32-wide int4 groups: qsa512's experts have intermediate 128, and vLLM 0.32's
+# Marlin MoE permutes w13 scales wrongly when intermediate <= group (see test_quant_marlin.py).
+QUANT_PAIRS = {
+    "w4a16-experts-g32": ("w4a16", "experts", 32),
+    "w4a16-all-g32": ("w4a16", "all", 32),
+    "fp8-experts": ("fp8-block", "experts", None),
+}
+PLE_FORMATS = ("nvfp4", "fp8_e4m3")
+
+
+def twin_logprobs(got: dict) -> dict:
+    """The child's result as ``tests.quant.parity.compare`` takes it: name -> (tokens, [{token: lp}])."""
+    return {
+        n: (got["tokens"][n], [{int(t): lp for t, lp in step} for step in got["logprobs"][n]])
+        for n in got["tokens"]
+    }
+
+
+def short_prompts(path: Path) -> dict[str, list[int]]:
+    from transformers import AutoTokenizer
+
+    return parity_prompts(AutoTokenizer.from_pretrained(path))
+
+
+@pytest.mark.parametrize("name", sorted(QUANT_PAIRS))
+def test_upstream_quantized_weights_equal_their_twin(name, tmp_path):
+    from model.quantize import convert_checkpoint
+    from tests.quant.parity import compare
+
+    fmt, scope, group = QUANT_PAIRS[name]
+    src = ensure_checkpoint("qsa512")
+    runs = {}
+    for deq in (False, True):
+        ckpt = convert_checkpoint(
+            src, tmp_path / f"ckpt-{deq}", fmt, scope=scope, group_size=group, scales="pow2", dequantized=deq
+        )
+        engine = {} if deq else sm86_engine_args(fmt)
+        runs[deq] = run_upstream(
+            tmp_path / f"run-{deq}", ckpt, short_prompts(ckpt), engine=engine, **SM86_ENV
+        )
+        assert "error" not in runs[deq], f"{runs[deq]['error']}\n{runs[deq]['log_tail']}"
+        print(f"upstream {name} {'twin' if deq else 'quantized'} kernels:", flush=True)
+        for k, v in runs[deq]["kernels"].items():
+            print(f"  {k}: {v}", flush=True)
+    problems = kernel_problems(runs[False]["kernels"], tmp_path / "ckpt-False", fmt)
+    problems += compare(twin_logprobs(runs[False]), twin_logprobs(runs[True]))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("fmt", PLE_FORMATS)
+def test_upstream_reads_our_ple_table_formats(fmt, tmp_path):
+    from model.ple_quantize import convert_checkpoint
+    from tests.quant.parity import compare
+
+    src = ensure_checkpoint("qsa512")
+    runs = {}
+    for deq in (False, True):
+        ckpt = convert_checkpoint(src, tmp_path / f"ckpt-{deq}", fmt, dequantized=deq)
+        runs[deq] = run_upstream(tmp_path / f"run-{deq}", ckpt, short_prompts(ckpt))
+        assert "error" not in runs[deq], f"{runs[deq]['error']}\n{runs[deq]['log_tail']}"
+    problems = compare(twin_logprobs(runs[False]), twin_logprobs(runs[True]))
+    assert not problems, "\n".join(problems)

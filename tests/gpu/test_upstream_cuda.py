@@ -213,11 +213,11 @@ def test_upstream_fp8_cache_with_calibrated_sidecar_and_clip_counters(bf16_run, 
 
 # Quantized weights and our PLE table formats through upstream, each against its bf16 twin holding
 # the dequantized values (power-of-two scales): the 3090's kernels (SM86_ENV, sm86_engine_args, as in
-# test_quant_marlin.py). 32-wide int4 groups: qsa512's experts have intermediate 128, and vLLM 0.32's
-# Marlin MoE permutes w13 scales wrongly when intermediate <= group (see test_quant_marlin.py).
+# test_quant_marlin.py). The converter's default int4 group for qsa512 equals its 128-wide experts,
+# the shape where vLLM 0.32's Marlin MoE permuted w13 scales wrongly until model.vllm_fixes.
 QUANT_PAIRS = {
-    "w4a16-experts-g32": ("w4a16", "experts", 32),
-    "w4a16-all-g32": ("w4a16", "all", 32),
+    "w4a16-experts": ("w4a16", "experts", None),
+    "w4a16-all": ("w4a16", "all", None),
     "fp8-experts": ("fp8-block", "experts", None),
 }
 PLE_FORMATS = ("nvfp4", "fp8_e4m3")

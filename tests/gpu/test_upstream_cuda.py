@@ -40,6 +40,7 @@ from tests.gpu.engine import cuda_engine_args
 
 path, prompts_file, out_file, max_new = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 engine_overrides = json.loads(sys.argv[5])
+graphs = engine_overrides.pop("graphs", False)
 result = {"notes": []}
 try:
     if not vllm_is_cpu_build():  # upstream cannot be imported on the CPU build (a dry run)
@@ -47,7 +48,7 @@ try:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=path, dtype="bfloat16", max_model_len=4096, seed=0, enable_prefix_caching=False,
-              **cuda_engine_args(**engine_overrides))
+              **cuda_engine_args(graphs=graphs, **engine_overrides))
     result["model_class"] = llm.apply_model(lambda m: f"{type(m).__module__}.{type(m).__qualname__}")[0]
     prompts = json.load(open(prompts_file))
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=5)
@@ -153,16 +154,27 @@ def bf16_run(tmp_path_factory):
     return path, prompts, got
 
 
-def test_upstream_serves_qsa512_through_our_subclass(bf16_run):
+@pytest.fixture(scope="module")
+def reference(bf16_run):
+    path, prompts, _ = bf16_run
+    return reference_greedy(path, prompts, REF_DEVICE)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+def test_upstream_serves_qsa512_through_our_subclass(bf16_run, reference, mode, tmp_path):
+    """Greedy parity with transformers, eager and with upstream's breakable CUDA graphs (how it serves)."""
     path, prompts, got = bf16_run
-    print(f"loaded {got['model_class']}; notes {got['notes']}")
+    if mode == "graphs":
+        got = run_upstream(tmp_path, path, prompts, engine={"graphs": True})
+        assert "error" not in got, f"{got['error']}\n{got['log_tail']}"
+    print(f"{mode}: loaded {got['model_class']}; notes {got['notes']}")
     assert got["model_class"] == SUBCLASS
     # Our owner class is in every QSA layer; a BF16 deployment that does not calibrate keeps
     # upstream's fused prepare and impl paths.
     layers = got["kv"]["layers"]
     assert layers and all(v["impl"] == "Sm86FP8QSAImpl" and v["kv_format"] == "bf16" for v in layers.values())
     assert all(v["fused_prepare"] for v in layers.values()), layers
-    assert_same(got["tokens"], reference_greedy(path, prompts, REF_DEVICE))
+    assert_same(got["tokens"], reference)
 
 
 def test_upstream_fp8_cache_with_calibrated_sidecar_and_clip_counters(bf16_run, tmp_path):
@@ -192,7 +204,7 @@ def test_upstream_fp8_cache_with_calibrated_sidecar_and_clip_counters(bf16_run, 
         tmp_path / "fp8",
         path,
         prompts,
-        engine={"kv_cache_dtype": "fp8"},
+        engine={"kv_cache_dtype": "fp8", "graphs": True},  # as it serves: breakable graphs
         VLLM_QSA_KV_SCALES=str(sidecar),
         VLLM_QSA_KV_CLIP_COUNT="0.5",
     )

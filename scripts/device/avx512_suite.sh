@@ -28,7 +28,7 @@ shard() {  # name cores pytest-args...
     tests/parity; bash scripts/device/serve_smoke.sh "$logs" 8-9 ) &
 shard service 10-11 tests/service &
 shard kernels 12-13 tests/kernels tests/qsa_kv tests/quant &
-shard rest 14-15 tests/unit tests/ple tests/prefix_cache tests/loading tests/deploy \
+shard rest 14-15 tests/unit tests/upstream tests/ple tests/prefix_cache tests/loading tests/deploy \
   --ignore=tests/unit/test_gdn_one_token.py --ignore=tests/deploy/test_planner_vs_vllm.py \
   --ignore=tests/deploy/test_planner.py --ignore=tests/deploy/test_alert_rules.py \
   --ignore=tests/deploy/test_compose.py --ignore=tests/deploy/test_dockerfile.py \

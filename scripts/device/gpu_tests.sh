@@ -24,11 +24,15 @@ want service && stream service 3-5 "${SERVICE_S:-420}" tests/gpu/test_service_cu
 # marlin: the 3090's kernels on the H200 (the test sets them); tiny-w4a16 = experts, experts-g32 (the
 # control for vLLM's Marlin-MoE scale-permutation bug) and all; ~110 s a pair.
 want marlin && stream marlin 6-7 "${MARLIN_S:-720}" tests/gpu/test_quant_marlin.py -k "${MARLIN_K:-tiny-w4a16 or tiny-fp8-experts or wide-w4a16-all}" &
-want kernels && stream kernels 3-4 "${KERNELS_S:-300}" tests/gpu/test_ple_gather.py tests/gpu/test_qsa_clip.py \
-  tests/gpu/test_qsa_kernel.py tests/unit/test_qsa_batched_selection.py &
+{ want kernels && stream kernels 3-4 "${KERNELS_S:-300}" tests/gpu/test_ple_gather.py tests/gpu/test_qsa_clip.py \
+  tests/gpu/test_qsa_kernel.py tests/unit/test_qsa_batched_selection.py
+  # then, on the same cores: quantized weights and our PLE formats through upstream.
+  want upstream_quant && stream upstream_quant 3-4 "${UPSTREAM_QUANT_S:-900}" tests/gpu/test_upstream_cuda.py \
+  -k "quantized or ple_table"; } &
 want prefix && stream prefix 5 "${PREFIX_S:-420}" tests/gpu/test_prefix_cache_cuda.py &
 # vLLM's own Qwen4-Exp through our subclass (its children set Model Runner V2 themselves).
-want upstream && stream upstream 0-2 "${UPSTREAM_S:-900}" tests/gpu/test_upstream_cuda.py tests/upstream &
+want upstream && stream upstream 0-2 "${UPSTREAM_S:-900}" tests/gpu/test_upstream_cuda.py tests/upstream \
+  -k "not quantized and not ple_table" &
 wait
 mkdir -p "$out/pytest-tmp"
 find /tmp/pytest-of-* -name "*.log" -size -4M -exec cp --backup=numbered {} "$out/pytest-tmp/" \; 2>/dev/null

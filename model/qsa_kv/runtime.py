@@ -242,6 +242,8 @@ class QSAKVRuntime:
         if snapshot is None or not order:
             return {}
         values = snapshot.read()
+        if values is None:  # a CUDA graph capture held the GPU: skip this round (monotonic counters)
+            return {name: list(self._clip_last.get(name, [0, 0])) for name in order}
         totals: dict[str, list[int]] = {}
         news: list[str] = []
         for name, tensor in zip(order, values, strict=True):
@@ -329,6 +331,8 @@ class QSAKVRuntime:
         if snapshot is None or path is None:
             return None
         values = snapshot.read()
+        if values is None:  # a CUDA graph capture held the GPU: the next interval writes the file
+            return None
         layers: dict[str, dict[str, Any]] = {}
         for i, name in enumerate(order):
             absmax, tokens = values[2 * i].tolist(), int(values[2 * i + 1].item())

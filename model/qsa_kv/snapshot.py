@@ -5,7 +5,8 @@ A plain ``tensor.cpu()`` from another thread would enqueue the copy on the compu
 stream into pinned host memory (``non_blocking=True``) and only the reader thread waits for it, on
 an event. The side stream does not wait for the compute stream either, so a read may miss the
 additions of kernels still in flight; the counters are monotonic, so the next read catches up.
-On the CPU there is no stream to protect and a plain copy is used.
+On the CPU there is no stream to protect and a plain copy is used. While a CUDA graph is being
+captured the read waits, or returns ``None`` for that round (:mod:`model.qsa_kv.capture_guard`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+
+from . import capture_guard
 
 
 class DeviceSnapshot:
@@ -28,6 +31,8 @@ class DeviceSnapshot:
         self._event: torch.cuda.Event | None = None
         self._host: list[torch.Tensor] = []
         self._device: torch.device | None = None
+        if torch.cuda.is_available():
+            capture_guard.install()  # before any capture: snapshots exist from attach time on
 
     def _prepare_cuda(self, current: Sequence[torch.Tensor]) -> None:
         device = current[0].device
@@ -40,17 +45,21 @@ class DeviceSnapshot:
         self._event = torch.cuda.Event()
         self._host = [torch.empty(s, dtype=d, pin_memory=True) for s, d in shapes]
 
-    def read(self) -> list[torch.Tensor]:
+    def read(self) -> list[torch.Tensor] | None:
+        """The tensors' current values on the host; ``None`` when a graph capture kept the GPU busy."""
         current = list(self._tensors())
         if not current:
             return []
         if current[0].device.type != "cuda":
             return [t.detach().to("cpu", copy=True) for t in current]
-        self._prepare_cuda(current)
-        assert self._stream is not None and self._event is not None
-        with torch.cuda.stream(self._stream):
-            for host, dev in zip(self._host, current, strict=True):
-                host.copy_(dev, non_blocking=True)
-            self._event.record(self._stream)
-        self._event.synchronize()  # blocks this reader thread only
-        return [h.clone() for h in self._host]
+        with capture_guard.gpu_access() as ok:
+            if not ok:
+                return None
+            self._prepare_cuda(current)
+            assert self._stream is not None and self._event is not None
+            with torch.cuda.stream(self._stream):
+                for host, dev in zip(self._host, current, strict=True):
+                    host.copy_(dev, non_blocking=True)
+                self._event.record(self._stream)
+            self._event.synchronize()  # blocks this reader thread only
+            return [h.clone() for h in self._host]

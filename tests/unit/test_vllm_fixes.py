@@ -47,7 +47,10 @@ def test_install_rebinds_once_and_refuses_another_vllm(monkeypatch):
     import vllm
     from vllm.model_executor.layers.fused_moe.oracle import int_wna16
 
-    original = int_wna16.marlin_moe_permute_scales
+    # vLLM may have loaded our plugin in this process already (then the name holds the fix).
+    original = getattr(
+        int_wna16.marlin_moe_permute_scales, "__wrapped__", int_wna16.marlin_moe_permute_scales
+    )
     monkeypatch.setattr(int_wna16, "marlin_moe_permute_scales", original)
     vllm_fixes.install()
     vllm_fixes.install()

@@ -61,7 +61,6 @@ ENV PATH=/opt/venv/bin:$PATH \
     TRITON_CACHE_DIR=/home/app/.cache/triton \
     VLLM_CACHE_ROOT=/home/app/.cache/vllm \
     HF_HUB_OFFLINE=1 \
-    VLLM_USE_V2_MODEL_RUNNER=0 \
     CUDA_DEVICE_ORDER=PCI_BUS_ID \
     QWEN4EXP_DEVICE=cuda \
     QWEN4EXP_HOST=0.0.0.0 \

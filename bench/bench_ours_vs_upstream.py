@@ -81,10 +81,13 @@ ROOT = Path(__file__).resolve().parent.parent
 # Implementation -> (environment, enforce_eager). "ours" asks for vLLM's default (graphs); vLLM
 # downgrades it when the model declares no graph support, which the cudagraph_mode column shows.
 IMPLS: dict[str, tuple[dict[str, str], bool]] = {
-    "ours-eager": ({"VLLM_USE_V2_MODEL_RUNNER": "0"}, True),
+    "ours-eager": ({"VLLM_USE_V2_MODEL_RUNNER": "0", "QWEN4EXP_CUDA_MODEL": "ours"}, True),
     # The path the issue measured first: QSA selection one query at a time (the CPU reference loop).
-    "ours-loop": ({"VLLM_USE_V2_MODEL_RUNNER": "0", "QWEN4EXP_QSA_SELECTION": "loop"}, True),
-    "ours": ({"VLLM_USE_V2_MODEL_RUNNER": "0"}, False),
+    "ours-loop": (
+        {"VLLM_USE_V2_MODEL_RUNNER": "0", "QWEN4EXP_CUDA_MODEL": "ours", "QWEN4EXP_QSA_SELECTION": "loop"},
+        True,
+    ),
+    "ours": ({"VLLM_USE_V2_MODEL_RUNNER": "0", "QWEN4EXP_CUDA_MODEL": "ours"}, False),
     "upstream": ({"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_PLUGINS": "none"}, False),
 }
 COMMON_ENV = {

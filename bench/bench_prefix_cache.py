@@ -91,6 +91,8 @@ def main() -> None:
         note = _disable_upstream_cute_dsl_if_missing()
         if note:
             print(note)
+    else:  # ours, also on CUDA (where the default would be upstream), on its V1 runner there
+        os.environ.setdefault("QWEN4EXP_CUDA_MODEL", "ours")
 
     import json
     from pathlib import Path

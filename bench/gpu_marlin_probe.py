@@ -19,6 +19,7 @@ import argparse
 import os
 
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+os.environ.setdefault("QWEN4EXP_CUDA_MODEL", "ours")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 # As tests/gpu/conftest.py: without it the engine core is forked from a process that has imported
 # torch and built checkpoints, and on the H200 the first engine start hung (twice, 4 minutes each).

@@ -4,8 +4,9 @@ vLLM 0.32 ships a CUDA-only ``qwen4_exp`` (``vllm.models.qwen4_exp.nvidia``). Me
 matches transformers as closely as ours and runs 9-16x faster, so on CUDA it is the target; but it
 lacks features ours has, and needs settings ours does not. ``QWEN4EXP_CUDA_MODEL=upstream``
 (:mod:`model.envs`) opts into it through thin subclasses (:mod:`model.vllm_adapter.upstream_cuda`)
-that stop start-up with :func:`problems_for_upstream`'s list instead of serving without them. The
-default stays ``ours`` until those subclasses carry the missing features and have passed on a GPU.
+that stop start-up with :func:`problems_for_upstream`'s list instead of serving without them. Since
+the subclasses carry the 3090's parts and passed on an H200 (2026-12-01), the default ``auto``
+serves upstream on CUDA and ours on vLLM's CPU build.
 
 Everything here is a pure function of injected facts (config.json as a dict, the environment, the
 platform), so the decision is tested on a CPU box where upstream cannot even be imported. Only the
@@ -43,7 +44,7 @@ UPSTREAM_PLE_FORMATS = ("bf16", "fp8_e4m3", "nvfp4")
 # vLLM's GDN layer accepts these; null makes it fail an assertion (transformers reads null as hidden_act).
 OUTPUT_GATE_TYPES = ("silu", "swish", "sigmoid")
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
-USE_OURS = f"set {envs.CUDA_MODEL}=ours (or unset it)"
+USE_OURS = f"set {envs.CUDA_MODEL}=ours"
 
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -186,15 +187,23 @@ def refusal_message(problems: list[str]) -> str:
     )
 
 
+def resolve(choice: str, *, cpu_build: bool) -> str:
+    """``auto`` -> ``ours`` on vLLM's CPU build, ``upstream`` on CUDA; other choices as they are."""
+    if choice == "auto":
+        return "ours" if cpu_build else "upstream"
+    return choice
+
+
 def registration_targets(choice: str, *, cpu_build: bool) -> dict[str, str]:
     """The ``module:Class`` vLLM registers for each architecture name.
 
-    ``ours`` -> ours, on either build. ``upstream`` on CUDA -> the upstream subclasses. ``upstream``
+    ``auto`` -> :func:`resolve`. ``ours`` -> ours, on either build. ``upstream`` on CUDA -> the upstream subclasses. ``upstream``
     on vLLM's CPU build -> subclasses of ours that raise :func:`refusal_message` when constructed,
     so the deployment neither imports upstream there (it cannot) nor silently serves ours.
     """
     if choice not in envs.CUDA_MODEL_CHOICES:
         raise ValueError(f"unknown {envs.CUDA_MODEL} choice {choice!r}; use one of {envs.CUDA_MODEL_CHOICES}")
+    choice = resolve(choice, cpu_build=cpu_build)
     if choice == "ours":
         return {arch: f"{OURS_MODULE}:{arch}" for arch in ARCHITECTURES}
     suffix = REFUSED_ON_CPU_SUFFIX if cpu_build else ""

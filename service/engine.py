@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import uuid
 from argparse import Namespace
@@ -170,15 +171,33 @@ def build_engine(vllm_config: VllmConfig, args: Namespace, lifecycle: Lifecycle)
 
 
 def upstream_choice_problems(vllm_config: VllmConfig) -> list[str]:
-    """With ``QWEN4EXP_CUDA_MODEL=upstream``: why vLLM's own CUDA Qwen4-Exp cannot serve this
-    deployment, one line per reason (none otherwise). Checked here so that start-up stops in a
-    second instead of at model construction in the worker (which checks again)."""
+    """When vLLM's own CUDA Qwen4-Exp is to serve (``QWEN4EXP_CUDA_MODEL`` ``upstream``, or ``auto``
+    on CUDA): why it cannot serve this deployment, one line per reason (none otherwise). Checked here
+    so that start-up stops in a second instead of at model construction in the worker (which checks
+    again)."""
     from model import cuda_model_choice, envs
 
-    if envs.cuda_model() != "upstream":
+    choice = envs.cuda_model()
+    cpu_build = cuda_model_choice.vllm_is_cpu_build()
+    if cuda_model_choice.resolve(choice, cpu_build=cpu_build) != "upstream":
         return []
-    found = cuda_model_choice.upstream_problems(vllm_config, cpu_build=cuda_model_choice.vllm_is_cpu_build())
-    return [f"{envs.CUDA_MODEL}=upstream: {problem}" for problem in found]
+    found = cuda_model_choice.upstream_problems(vllm_config, cpu_build=cpu_build)
+    label = f"{envs.CUDA_MODEL}={choice}" + (" (upstream on CUDA)" if choice == "auto" else "")
+    return [f"{label}: {problem}" for problem in found]
+
+
+def default_model_runner() -> None:
+    """On CUDA, pick the vLLM model runner the chosen implementation needs, unless the operator set
+    ``VLLM_USE_V2_MODEL_RUNNER``: upstream's model needs V2 (its PLE inputs come from V2's model
+    state), ours runs on V1 (under V2 it fails at start-up on the PLE conv state). Set before vLLM
+    builds its config; the engine core and workers inherit it. vLLM's CPU build needs no setting."""
+    from model import cuda_model_choice, envs
+
+    cpu_build = cuda_model_choice.vllm_is_cpu_build()
+    if cpu_build or os.environ.get(cuda_model_choice.V2_RUNNER, "").strip():
+        return
+    choice = cuda_model_choice.resolve(envs.cuda_model(), cpu_build=cpu_build)
+    os.environ[cuda_model_choice.V2_RUNNER] = "1" if choice == "upstream" else "0"
 
 
 def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namespace]:
@@ -190,6 +209,12 @@ def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namesp
         problems.append(str(exc))
         device = platform_device()  # still check the rest against the platform we have
     args = parse_args(cli_args(settings, device))
+    from model.envs import EnvError
+
+    try:
+        default_model_runner()
+    except EnvError as exc:  # a malformed QWEN4EXP_CUDA_MODEL, reported with the rest
+        problems.append(str(exc))
     try:
         vllm_config = engine_config(args)
     except SettingsError as exc:

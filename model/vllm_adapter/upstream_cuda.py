@@ -23,8 +23,9 @@ checkpoints.
 
 Upstream also needs settings ours does not: Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``),
 ``output_gate_type`` written in config.json, and a QSA top-k of 512, 1024 or 2048 blocks; those are
-refused the same way. The default stays ``ours`` until these classes carry the features and have
-passed on a GPU (``tests/gpu/test_upstream_cuda.py``).
+refused the same way (the service sets the V2 runner itself). Since these classes passed on an H200
+(``tests/gpu/test_upstream_cuda.py``, 2026-12-01), they are what ``QWEN4EXP_CUDA_MODEL=auto`` (the
+default) serves on CUDA.
 
 vLLM imports this module only when the class is needed (``model.plugin`` registers lazy
 ``module:Class`` strings). On vLLM's CPU build upstream cannot even be imported (it needs CUDA

@@ -8,7 +8,7 @@
 set -uo pipefail
 out=${1:?log dir}; mkdir -p "$out"
 cd "$(dirname "$0")/../.."
-export PYTHONPATH="$PWD:/tmp/site" VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD:/tmp/site" QWEN4EXP_CUDA_MODEL=ours VLLM_USE_V2_MODEL_RUNNER=0 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 export QWEN4EXP_GPU_TEST_MEM=0.2 GPU_TEST_KV_CACHE_BYTES=$((4 << 30))
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
 pin() { if command -v taskset >/dev/null; then taskset -c "$@"; else shift; "$@"; fi; }

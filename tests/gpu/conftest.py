@@ -13,6 +13,8 @@ import os
 import pytest
 
 # Set before any engine starts (children inherit them).
+# These judges test our implementation unless a test picks upstream itself (test_upstream_cuda.py).
+os.environ.setdefault("QWEN4EXP_CUDA_MODEL", "ours")
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")

@@ -172,7 +172,9 @@ def test_upstream_serves_qsa512_through_our_subclass(bf16_run, reference, mode, 
     # Our owner class is in every QSA layer; a BF16 deployment that does not calibrate keeps
     # upstream's fused prepare and impl paths.
     layers = got["kv"]["layers"]
-    assert layers and all(v["impl"] == "Sm86FP8QSAImpl" and v["kv_format"] == "bf16" for v in layers.values())
+    assert layers and all(
+        v["impl"] == "Sm86FP8QSAImpl" and v["kv_format"] == "native" for v in layers.values()
+    )
     assert all(v["fused_prepare"] for v in layers.values()), layers
     assert_same(got["tokens"], reference)
 

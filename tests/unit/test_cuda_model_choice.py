@@ -7,6 +7,7 @@ injected facts; ``tests/gpu/test_upstream_cuda.py`` starts upstream on a GPU.
 from __future__ import annotations
 
 import importlib
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -33,17 +34,20 @@ def problems(config=None, env=None, **facts):
 
 
 def test_parser_spellings_default_and_errors():
-    assert envs.cuda_model({}) == "ours"
-    assert envs.cuda_model({envs.CUDA_MODEL: " "}) == "ours"
+    assert envs.cuda_model({}) == "auto"
+    assert envs.cuda_model({envs.CUDA_MODEL: " "}) == "auto"
+    assert choice.resolve("auto", cpu_build=True) == "ours"
+    assert choice.resolve("auto", cpu_build=False) == "upstream"
+    assert choice.resolve("ours", cpu_build=False) == "ours"
     assert envs.cuda_model({envs.CUDA_MODEL: "Upstream "}) == "upstream"
     assert envs.cuda_model({envs.CUDA_MODEL: "OURS"}) == "ours"
     for bad in ("vllm", "native", "1", "up"):
         with pytest.raises(
-            envs.EnvError, match=f"^QWEN4EXP_CUDA_MODEL='{bad}' is not a valid value: use ours"
+            envs.EnvError, match=f"^QWEN4EXP_CUDA_MODEL='{bad}' is not a valid value: use auto"
         ):
             envs.cuda_model({envs.CUDA_MODEL: bad})
     _, found = envs.validate({envs.CUDA_MODEL: "vllm"})
-    assert any(p.startswith("QWEN4EXP_CUDA_MODEL='vllm'") and "fix: use ours or upstream" in p for p in found)
+    assert any(p.startswith("QWEN4EXP_CUDA_MODEL='vllm'") and "fix: use auto" in p for p in found)
 
 
 @pytest.mark.parametrize("config", [CLEAN_CONFIG, {"text_config": CLEAN_CONFIG}])
@@ -93,7 +97,7 @@ def test_each_problem_names_its_variable_and_the_fix():
     for needle, facts in cases.items():
         (found,) = problems(**facts)  # exactly one problem, this one
         assert needle in found, (needle, found)
-        assert "fix:" in found and "QWEN4EXP_CUDA_MODEL=ours (or unset it)" in found, found
+        assert "fix:" in found and "set QWEN4EXP_CUDA_MODEL=ours" in found, found
     assert (
         "VLLM_USE_V2_MODEL_RUNNER='0'" in problems(env={"VLLM_USE_V2_MODEL_RUNNER": "0"}, v2_runner=False)[0]
     )
@@ -148,6 +152,11 @@ def test_registration_targets():
             "model.vllm_adapter.upstream_cuda:Qwen4ExpForConditionalGenerationRefusedOnCpuBuild"
         ),
     }
+    # auto: ours on the CPU build, upstream's subclasses on CUDA.
+    assert choice.registration_targets("auto", cpu_build=True) == ours
+    assert choice.registration_targets("auto", cpu_build=False) == choice.registration_targets(
+        "upstream", cpu_build=False
+    )
     with pytest.raises(ValueError, match="unknown QWEN4EXP_CUDA_MODEL choice"):
         choice.registration_targets("vllm", cpu_build=False)
 
@@ -168,7 +177,7 @@ def test_plugin_registers_the_choice(monkeypatch):
     monkeypatch.setattr(
         ModelRegistry, "register_model", lambda arch, target: registered.update({arch: target})
     )
-    for value, cpu_choice in (("", "ours"), ("ours", "ours"), ("upstream", "upstream")):
+    for value, cpu_choice in (("", "ours"), ("auto", "ours"), ("ours", "ours"), ("upstream", "upstream")):
         monkeypatch.setenv(envs.CUDA_MODEL, value)
         plugin.register()
         assert registered == choice.registration_targets(cpu_choice, cpu_build=True)
@@ -193,7 +202,7 @@ def test_cpu_build_stand_ins_refuse_naming_the_variable():
             cls(vllm_config=vllm_config)
         text = str(err.value)
         assert text.startswith("QWEN4EXP_CUDA_MODEL=upstream") and "1 problem(s)" in text, text
-        assert "needs vLLM's CUDA build" in text and "set QWEN4EXP_CUDA_MODEL=ours (or unset it)" in text
+        assert "needs vLLM's CUDA build" in text and "set QWEN4EXP_CUDA_MODEL=ours" in text
 
 
 def test_ple_needs_a_single_eos_id_for_upstream():
@@ -203,3 +212,24 @@ def test_ple_needs_a_single_eos_id_for_upstream():
         (found,) = problems({**ple, "eos_token_id": eos})
         assert f"eos_token_id={eos!r}" in found and "QWEN4EXP_CUDA_MODEL=ours" in found
     assert problems({**CLEAN_CONFIG, "eos_token_id": [7, 8]}) == []  # no PLE layers: not read
+
+
+def test_service_picks_the_model_runner_for_the_implementation(monkeypatch):
+    """On CUDA the service sets VLLM_USE_V2_MODEL_RUNNER for the chosen implementation unless the
+    operator set it; on vLLM's CPU build it leaves it alone."""
+    from service import engine
+
+    monkeypatch.setattr(choice, "vllm_is_cpu_build", lambda: False)
+    for value, want in (("", "1"), ("auto", "1"), ("upstream", "1"), ("ours", "0")):
+        monkeypatch.setenv(envs.CUDA_MODEL, value)
+        monkeypatch.delenv(choice.V2_RUNNER, raising=False)
+        engine.default_model_runner()
+        assert os.environ[choice.V2_RUNNER] == want, value
+    monkeypatch.setenv(choice.V2_RUNNER, "0")  # the operator's setting wins
+    monkeypatch.setenv(envs.CUDA_MODEL, "upstream")
+    engine.default_model_runner()
+    assert os.environ[choice.V2_RUNNER] == "0"
+    monkeypatch.setattr(choice, "vllm_is_cpu_build", lambda: True)
+    monkeypatch.delenv(choice.V2_RUNNER)
+    engine.default_model_runner()
+    assert choice.V2_RUNNER not in os.environ

@@ -23,7 +23,7 @@ want parity && stream parity 0-2 "${PARITY_S:-420}" tests/gpu/test_engine_parity
 want service && stream service 3-5 "${SERVICE_S:-420}" tests/gpu/test_service_cuda.py &
 # marlin: the 3090's kernels on the H200 (the test sets them); tiny-w4a16 = experts, experts-g32 (the
 # control for vLLM's Marlin-MoE scale-permutation bug) and all; ~110 s a pair.
-want marlin && stream marlin 6-7 "${MARLIN_S:-720}" tests/gpu/test_quant_marlin.py -k "${MARLIN_K:-tiny-w4a16 or tiny-fp8-experts or wide-w4a16-all}" &
+want marlin && stream marlin 6-7 "${MARLIN_S:-720}" tests/gpu/test_quant_marlin.py -k "${MARLIN_K:-tiny-w4a16 or qsa512-fp8 or refuses_tiny or wide-w4a16-all}" &
 { want kernels && stream kernels 3-4 "${KERNELS_S:-300}" tests/gpu/test_ple_gather.py tests/gpu/test_qsa_clip.py \
   tests/gpu/test_qsa_kernel.py tests/unit/test_qsa_batched_selection.py
   # then, on the same cores: quantized weights and our PLE formats through upstream.

@@ -59,7 +59,12 @@ class Sm86FP8QSAImpl(_UpstreamImpl):
         glue.observe_kv(self.kv_state, key, value, slot_mapping)
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
-    def forward_qsa(
+    def forward_qsa(self, *args, **kwargs):
+        if self.kv_state.quantized:
+            return self._forward_fp8(*args, **kwargs)
+        return super().forward_qsa(*args, **kwargs)
+
+    def _forward_fp8(
         self,
         layer,
         query,
@@ -74,21 +79,7 @@ class Sm86FP8QSAImpl(_UpstreamImpl):
         output_scale=None,
         output_block_scale=None,
     ):
-        if not self.kv_state.quantized:
-            return super().forward_qsa(
-                layer,
-                query,
-                key,
-                value,
-                kv_cache,
-                attn_metadata,
-                output,
-                token_to_req,
-                use_prefill_config,
-                output_gate,
-                output_scale,
-                output_block_scale,
-            )
+        """``forward_qsa`` (same arguments) over an FP8 cache: our reader, upstream's gate rounding."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("QSA does not support fused output quantization")
         num_tokens = attn_metadata.num_actual_tokens

@@ -26,7 +26,6 @@ Run: ``python -m pytest tests/gpu/test_quant_marlin.py -v -s``
 
 from __future__ import annotations
 
-import gc
 import json
 import re
 from pathlib import Path
@@ -36,7 +35,7 @@ import pytest
 from model.quantize import convert_checkpoint
 from tests.conftest import ensure_checkpoint
 from tests.parity.prompts import parity_prompts
-from tests.quant.parity import compare
+from tests.quant.parity import compare, greedy_with_logprobs
 
 from .engine import cuda_engine_args
 
@@ -150,23 +149,15 @@ def kernel_problems(record: dict[str, str], path: Path, fmt: str | None) -> list
 
 def generate_with_kernels(path, prompts: dict[str, list[int]], max_new_tokens: int, **engine_args):
     """``tests.quant.parity.greedy_with_logprobs`` plus the engine's ``kernel_record``."""
-    from vllm import LLM, SamplingParams
-
-    args = dict(dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False, max_model_len=2048, seed=0)
-    llm = LLM(model=str(path), **{**args, **engine_args})
-    try:
-        record = llm.apply_model(kernel_record)[0]
-        params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, logprobs=5)
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts.values()], params, use_tqdm=False)
-        result = {}
-        for name, out in zip(prompts, outs, strict=True):
-            steps = [{t: lp.logprob for t, lp in step.items()} for step in out.outputs[0].logprobs]
-            result[name] = (list(out.outputs[0].token_ids), steps)
-        return result, record
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    record: dict[str, str] = {}
+    result = greedy_with_logprobs(
+        path,
+        prompts,
+        max_new_tokens,
+        on_engine=lambda llm: record.update(llm.apply_model(kernel_record)[0]),
+        **engine_args,
+    )
+    return result, record
 
 
 @pytest.fixture(scope="module")

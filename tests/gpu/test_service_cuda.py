@@ -27,6 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, ensure_checkpoint
+from tests.qsa_kv.helpers import run_merge
 
 pytestmark = pytest.mark.vllm_cuda
 
@@ -162,12 +163,7 @@ def runs(tmp_path_factory):
         out["device_rc"] = svc.stop()
 
     sidecar = tmp / "qsa-kv-scales.json"
-    merge = subprocess.run(
-        [sys.executable, "-m", "model.qsa_kv.merge", "--out", str(sidecar), str(dumps), "--margin", "1.1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    merge = run_merge(dumps, sidecar)
     assert merge.returncode == 0, merge.stdout + merge.stderr
     out["sidecar"] = json.loads(sidecar.read_text())
 

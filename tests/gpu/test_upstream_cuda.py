@@ -23,6 +23,7 @@ import pytest
 from tests.conftest import ensure_checkpoint
 from tests.parity.prompts import SENTENCES, parity_prompts
 from tests.parity.test_generation_parity import MAX_NEW_TOKENS, assert_same
+from tests.qsa_kv.helpers import run_merge
 
 from .test_engine_parity import REF_DEVICE, reference_greedy
 from .test_quant_marlin import SM86_ENV, kernel_problems, sm86_engine_args
@@ -192,12 +193,7 @@ def test_upstream_fp8_cache_with_calibrated_sidecar_and_clip_counters(bf16_run, 
     assert calib["kv"]["dump"], "no calibration dump written"
 
     sidecar = tmp_path / "scales.json"
-    merge = subprocess.run(
-        [sys.executable, "-m", "model.qsa_kv.merge", "--out", str(sidecar), str(dumps), "--margin", "1.1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    merge = run_merge(dumps, sidecar)
     assert merge.returncode == 0, merge.stdout + merge.stderr
     scales = json.loads(sidecar.read_text())
     assert set(scales) == set(calib["kv"]["layers"]), (scales, calib["kv"]["layers"])

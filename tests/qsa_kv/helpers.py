@@ -15,11 +15,24 @@ import gc
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 V_FACTOR = 2.0**9
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_merge(dumps: Path, sidecar: Path, margin: str = "1.1") -> subprocess.CompletedProcess:
+    """``python -m model.qsa_kv.merge --out SIDECAR DUMPS --margin M``, as an operator runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "model.qsa_kv.merge", "--out", str(sidecar), str(dumps), "--margin", margin],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
 
 
 def qsa_layer_indices(config: dict) -> list[int]:

@@ -20,6 +20,7 @@ from model.qsa_kv.settings import FP8_E4M3, QSAKVSettings
 from model.qsa_kv.sidecar import load_sidecar
 from model.qsa_kv.state import QSAKVState
 from tests.conftest import ROOT
+from tests.qsa_kv.helpers import run_merge
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -198,12 +199,7 @@ def test_merge_takes_max_over_ranks_and_writes_a_valid_sidecar(tmp_path):
     dump(d, 0, {L3: entry(4.0, 1.0), L7: entry(10.0, 2.0)})
     dump(d, 1, {L3: entry(6.0, 0.5), L7: entry(8.0, 3.0)})
     out = tmp_path / "scales.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "model.qsa_kv.merge", "--out", str(out), str(d), "--margin", "1.1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
+    result = run_merge(d, out)
     assert result.returncode == 0, result.stderr
     assert "merged 2 dump(s)" in result.stdout
     scales = load_sidecar(out, [L3, L7])

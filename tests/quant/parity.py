@@ -12,13 +12,19 @@ import gc
 TIE_LOGPROB = 0.05
 
 
-def greedy_with_logprobs(path, prompts: dict[str, list[int]], max_new_tokens: int, **engine_args):
-    """Per prompt: greedy tokens and, per step, the top-5 log-probabilities ``{token: logprob}``."""
+def greedy_with_logprobs(
+    path, prompts: dict[str, list[int]], max_new_tokens: int, on_engine=None, **engine_args
+):
+    """Per prompt: greedy tokens and, per step, the top-5 log-probabilities ``{token: logprob}``.
+
+    ``on_engine(llm)``, if given, runs once the engine has started (e.g. to record its kernels)."""
     from vllm import LLM, SamplingParams
 
     args = dict(dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False, max_model_len=2048, seed=0)
     llm = LLM(model=str(path), **{**args, **engine_args})
     try:
+        if on_engine is not None:
+            on_engine(llm)
         params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, logprobs=5)
         outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts.values()], params, use_tqdm=False)
         result = {}

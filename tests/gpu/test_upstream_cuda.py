@@ -42,18 +42,25 @@ from tests.gpu.engine import cuda_engine_args
 path, prompts_file, out_file, max_new = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 engine_overrides = json.loads(sys.argv[5])
 graphs = engine_overrides.pop("graphs", False)
+sequential = engine_overrides.pop("sequential", False)  # one request after another (prefix-cache hits)
 result = {"notes": []}
 try:
     if not vllm_is_cpu_build():  # upstream cannot be imported on the CPU build (a dry run)
         result["notes"] += [n for n in [_disable_upstream_cute_dsl_if_missing()] if n]
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=path, dtype="bfloat16", max_model_len=4096, seed=0, enable_prefix_caching=False,
-              **cuda_engine_args(graphs=graphs, **engine_overrides))
+    args = dict(dtype="bfloat16", max_model_len=4096, seed=0, enable_prefix_caching=False)
+    args.update(engine_overrides)
+    llm = LLM(model=path, **cuda_engine_args(graphs=graphs, **args))
     result["model_class"] = llm.apply_model(lambda m: f"{type(m).__module__}.{type(m).__qualname__}")[0]
     prompts = json.load(open(prompts_file))
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=5)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts.values()], params, use_tqdm=False)
+    requests = [{"prompt_token_ids": ids} for ids in prompts.values()]
+    if sequential:
+        outs = [llm.generate([r], params, use_tqdm=False)[0] for r in requests]
+    else:
+        outs = llm.generate(requests, params, use_tqdm=False)
+    result["cached"] = {n: o.num_cached_tokens or 0 for n, o in zip(prompts, outs, strict=True)}
     result["tokens"] = {n: list(o.outputs[0].token_ids) for n, o in zip(prompts, outs, strict=True)}
     result["logprobs"] = {
         n: [[[t, lp.logprob] for t, lp in step.items()] for step in o.outputs[0].logprobs]
@@ -219,6 +226,34 @@ def test_upstream_fp8_cache_with_calibrated_sidecar_and_clip_counters(bf16_run, 
         f"FP8 KV (our reader on upstream): {same}/{len(prompts)} completions equal to BF16's; first token {first}"
     )
     assert first >= len(prompts) - 1, (fp8["tokens"], bf16["tokens"])
+
+
+def test_upstream_prefix_cache_hits_give_the_same_tokens(tmp_path):
+    """Prefix caching on the chosen path (align mode: QSA pages and compressed keys by block hash,
+    GDN and PLE states at the hit's block boundary): requests sharing a 4,080-token prefix (a
+    multiple of the block sizes vLLM picked for qsa512) hit the cache and generate what a cold engine
+    generates; with breakable graphs, as it serves."""
+    import random
+
+    path = ensure_checkpoint("qsa512")
+    rng = random.Random(0)
+    prefix = [rng.randrange(3, 500) for _ in range(4080)]
+    prompts = {
+        "first": prefix + [rng.randrange(3, 500) for _ in range(8)],
+        "other_suffix": prefix + [rng.randrange(3, 500) for _ in range(8)],
+    }
+    prompts["again"] = list(prompts["first"])
+    engine = {"graphs": True, "max_model_len": 8192}
+    cached = run_upstream(
+        tmp_path / "on", path, prompts, engine={**engine, "enable_prefix_caching": True, "sequential": True}
+    )
+    assert "error" not in cached, f"{cached['error']}\n{cached['log_tail']}"
+    cold = run_upstream(tmp_path / "off", path, prompts, engine=engine)
+    assert "error" not in cold, f"{cold['error']}\n{cold['log_tail']}"
+    print(f"cached tokens per request: {cached['cached']}", flush=True)
+    assert cached["cached"]["first"] == 0
+    assert cached["cached"]["other_suffix"] >= 4000 and cached["cached"]["again"] >= 4000, cached["cached"]
+    assert cached["tokens"] == cold["tokens"]
 
 
 # Quantized weights and our PLE table formats through upstream, each against its bf16 twin holding

@@ -12,6 +12,10 @@
 #   launcher stubs, hence gcc/libc6-dev/python3-dev in the runtime image. Compiled kernels are cached
 #   under TRITON_CACHE_DIR/VLLM_CACHE_ROOT: mount a volume there (compose: qwen4exp-cache) to keep
 #   them across restarts; the first requests after a cold start pay the compilation.
+# - The run-time CUDA C++ JIT users we know of are kept off (this image has no nvcc): vLLM's FlashInfer
+#   sampler is off (VLLM_USE_FLASHINFER_SAMPLER=0: vLLM's own sampler), and on the upstream CUDA path
+#   our subclass computes the indexer's Gemma RMS norm with vLLM's compiled op instead of FlashInfer's
+#   JIT kernel (model/vllm_adapter/upstream_qsa.py).
 # - Nothing is downloaded at run time and no model is baked in: mount the checkpoint read-only and
 #   point QWEN4EXP_MODEL at it. HF_HUB_OFFLINE=1 makes an accidental hub lookup fail fast.
 # - Host driver: CUDA 13 needs NVIDIA driver >= 580, and GeForce cards (RTX 3090) get no forward
@@ -61,6 +65,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     TRITON_CACHE_DIR=/home/app/.cache/triton \
     VLLM_CACHE_ROOT=/home/app/.cache/vllm \
     HF_HUB_OFFLINE=1 \
+    VLLM_USE_FLASHINFER_SAMPLER=0 \
     CUDA_DEVICE_ORDER=PCI_BUS_ID \
     QWEN4EXP_DEVICE=cuda \
     QWEN4EXP_HOST=0.0.0.0 \

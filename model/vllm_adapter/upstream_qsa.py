@@ -32,6 +32,7 @@ import contextlib
 import functools
 
 import torch
+from vllm import ir
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.models.qwen4_exp.nvidia import model as upstream_model
 from vllm.models.qwen4_exp.nvidia import qsa as upstream_qsa
@@ -127,6 +128,48 @@ def _indexer_projection_kept_separate():
         upstream_qsa.Qwen4ExpQSAQKVIndexerLinear = fused
 
 
+def gemma_rmsnorm_vllm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+    """FlashInfer's ``gemma_rmsnorm`` signature, computed by vLLM's own RMS-norm op with ``1 + weight``.
+
+    Why: upstream's unfused indexer path (the one FP8 caches and calibration need, see
+    ``needs_unfused_prepare``) calls ``flashinfer.norm.gemma_rmsnorm``, which runs either FlashInfer's
+    CuTe-DSL kernel (the ``nvidia-cutlass-dsl`` package) or a kernel it JIT-compiles with nvcc. Our
+    image is a CUDA *runtime* image without nvcc, so that call could not run there. vLLM's
+    ``GemmaRMSNorm`` (which the rest of upstream's QSA layer uses for the same norms) computes
+    ``x / rms(x) * (1 + w)`` in fp32 through vLLM's compiled op, rounding once to the input dtype."""
+    result = ir.ops.rms_norm(input, weight.float() + 1.0, eps)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+@contextlib.contextmanager
+def _vllm_gemma_rmsnorm():
+    """While upstream's indexer runs: ``flashinfer.norm.gemma_rmsnorm`` is :func:`gemma_rmsnorm_vllm`
+    (upstream imports the name at call time; restored afterwards, so nothing else sees it)."""
+    try:
+        import flashinfer.norm as flashinfer_norm
+    except ImportError:  # no FlashInfer: upstream's unfused path cannot run anyway
+        yield
+        return
+    original = flashinfer_norm.gemma_rmsnorm
+    flashinfer_norm.gemma_rmsnorm = gemma_rmsnorm_vllm
+    try:
+        yield
+    finally:
+        flashinfer_norm.gemma_rmsnorm = original
+
+
+def _with_vllm_gemma_rmsnorm(forward):
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        with _vllm_gemma_rmsnorm():
+            return forward(*args, **kwargs)
+
+    return wrapper
+
+
 class Qwen4ExpQSAAttentionSm86(_UpstreamOwner):
     """Upstream's QSA owner with our KV state and impl (see the module docstring).
 
@@ -185,6 +228,7 @@ class Qwen4ExpQSAAttentionSm86(_UpstreamOwner):
         self.impl = impl
         if glue.needs_unfused_prepare(self.kv_state):
             self.use_fused_qsa_prepare = False
+            self.indexer.forward = _with_vllm_gemma_rmsnorm(self.indexer.forward)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """vLLM's post-load hook (before warm-up and capture): one scale source for every reader.

@@ -63,6 +63,7 @@ def test_non_root_user_entrypoint_healthcheck_and_arch():
     assert "TORCH_CUDA_ARCH_LIST=8.6" in env
     # The service picks vLLM's model runner for the chosen implementation (service.engine.default_model_runner).
     assert "VLLM_USE_V2_MODEL_RUNNER" not in env
+    assert "VLLM_USE_FLASHINFER_SAMPLER=0" in env  # no nvcc in the runtime image for FlashInfer's JIT
 
 
 def test_no_model_download_and_small_context():

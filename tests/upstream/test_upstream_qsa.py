@@ -297,3 +297,48 @@ def test_cuda_branch_of_the_upstream_module_imports_and_installs(monkeypatch):
         assert upstream_ple_layer.Qwen4ExpNGramEmbedding.__module__ == "model.vllm_adapter.upstream_ple"
     finally:
         sys.modules.pop("model.vllm_adapter.upstream_cuda", None)
+
+
+def test_indexer_gemma_norm_runs_on_vllms_op_while_the_indexer_runs(upstream_qsa, monkeypatch):
+    """Upstream's unfused indexer path imports ``flashinfer.norm.gemma_rmsnorm`` at call time (a
+    FlashInfer JIT kernel, which our nvcc-free runtime image cannot build); inside the wrapped
+    indexer forward that name is vLLM's compiled Gemma RMS norm, and outside it is FlashInfer's again."""
+    import sys
+    import types
+
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+    x = torch.randn(5, 128, generator=GEN).bfloat16()
+    # GemmaRMSNorm's own forward on a stand-in (constructing the CustomOp needs a vLLM config).
+    norm = SimpleNamespace(weight=nn.Parameter(torch.randn(128, generator=GEN) * 0.1), variance_epsilon=1e-6)
+    want = GemmaRMSNorm.forward_native(norm, x)
+    got = upstream_qsa.gemma_rmsnorm_vllm(x, norm.weight.data, 1e-6)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    out = torch.empty_like(x)
+    assert upstream_qsa.gemma_rmsnorm_vllm(x, norm.weight.data, 1e-6, out=out) is out and torch.equal(
+        out, want
+    )
+    formula = (
+        x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + norm.weight.float())
+    )
+    torch.testing.assert_close(got.float(), formula, atol=2e-2, rtol=1e-2)
+
+    def flashinfer_jit(*args, **kwargs):
+        raise AssertionError("FlashInfer's JIT norm was called")
+
+    fake = types.ModuleType("flashinfer.norm")
+    fake.gemma_rmsnorm = flashinfer_jit
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setitem(sys.modules, "flashinfer.norm", fake)
+    sys.modules["flashinfer"].norm = fake
+
+    def indexer_forward(q, weight):
+        from flashinfer.norm import gemma_rmsnorm  # as upstream's unfused path does
+
+        return gemma_rmsnorm(q, weight, 1e-6)
+
+    wrapped = upstream_qsa._with_vllm_gemma_rmsnorm(indexer_forward)
+    assert torch.equal(wrapped(x, norm.weight.data), want)
+    assert fake.gemma_rmsnorm is flashinfer_jit  # restored
+    with pytest.raises(AssertionError, match="JIT norm was called"):
+        indexer_forward(x, norm.weight.data)

@@ -38,9 +38,6 @@ UPSTREAM_KV_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 # reads the QSA *main* cache's E4M3 codes itself, on any GPU; upstream's optional FP8 *indexer* cache
 # multiplies FP8 by FP8 in Triton, which needs native FP8, so it is refused below this.
 FP8_MIN_CAPABILITY = (8, 9)
-# PLE table formats our subclass makes upstream read (model.vllm_adapter.upstream_ple, whose
-# supported_ple_formats() a test holds equal to this; kept here so the decision imports no upstream).
-UPSTREAM_PLE_FORMATS = ("bf16", "fp8_e4m3", "nvfp4")
 # vLLM's GDN layer accepts these; null makes it fail an assertion (transformers reads null as hidden_act).
 OUTPUT_GATE_TYPES = ("silu", "swish", "sigmoid")
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
@@ -155,16 +152,12 @@ def problems_for_upstream(
                 "id (int(config.eos_token_id), qwen4_exp/nvidia/model_state.py:46); fix: write a single "
                 f"integer id, or {USE_OURS}"
             )
+    # Every format ours reads, upstream reads through our subclass (upstream_ple serves
+    # ple_format.FORMATS); only a malformed declaration is a problem.
     try:
-        table_format = ple_format.table_format_of(text)
+        ple_format.table_format_of(text)
     except ValueError as exc:
         problems.append(f"{exc}; fix: correct config.json, or {USE_OURS}")
-    else:
-        if table_format not in UPSTREAM_PLE_FORMATS:
-            problems.append(
-                f"config.json {ple_format.FIELD} declares {table_format} PLE tables: our upstream subclass "
-                f"reads only {', '.join(UPSTREAM_PLE_FORMATS)}; fix: {USE_OURS}"
-            )
     for source, method in (
         ("config.json quantization_config.quant_method", _quant_method(config)),
         ("--quantization", quantization),

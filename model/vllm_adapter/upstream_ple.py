@@ -56,12 +56,11 @@ from vllm.models.qwen4_exp.nvidia import ngram_embedding as _nvidia_ngram
 from vllm.models.qwen4_exp.nvidia import ple_layer as _nvidia_ple_layer
 
 from model.ops.ple_tables import dequantize_rows, row_shapes, split_row_bytes
-from model.ple_format import FIELD, table_format_of
+from model.ple_format import FIELD, FORMATS, table_format_of
 
 VERIFIED_VLLM = "0.32."
 """The vLLM release whose upstream Qwen4-Exp sources this module was written against."""
 
-_SUPPORTED = ("bf16", "fp8_e4m3", "nvfp4")
 
 # Checkpoint tensors of one table, relative to the n-gram embedding module (``<layer>.ple.ple_embedding``).
 _SHARD_TENSOR = re.compile(r"ngram_embedding\.shard_(\d+)\.(weight|weight_scale|weight_global_scale)")
@@ -83,7 +82,7 @@ _SAVED_SELECTOR = "_qwen4exp_upstream_from_quant_config"
 
 def supported_ple_formats() -> tuple[str, ...]:
     """The PLE table formats (``model.ple_format`` names) upstream serves once :func:`install` ran."""
-    return _SUPPORTED
+    return FORMATS
 
 
 # ------------------------------------------------------------------------------------------------

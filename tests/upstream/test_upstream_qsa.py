@@ -263,11 +263,12 @@ def test_mapping_keeps_the_indexer_out_of_qkv_and_the_subclass_says_so(upstream_
     assert upstream_qsa.upstream_qsa.Qwen4ExpQSAQKVIndexerLinear is fused
 
 
-def test_decision_module_lists_the_ple_formats_the_subclass_reads():
-    from model.cuda_model_choice import UPSTREAM_PLE_FORMATS
+def test_the_subclass_reads_every_ple_format_ours_reads():
+    """What lets ``problems_for_upstream`` accept every well-formed PLE table format."""
+    from model import ple_format
 
     upstream_ple = import_upstream("model.vllm_adapter.upstream_ple")
-    assert tuple(upstream_ple.supported_ple_formats()) == UPSTREAM_PLE_FORMATS
+    assert tuple(upstream_ple.supported_ple_formats()) == ple_format.FORMATS == ("bf16", "fp8_e4m3", "nvfp4")
 
 
 def test_cuda_branch_of_the_upstream_module_imports_and_installs(monkeypatch):

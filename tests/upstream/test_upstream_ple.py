@@ -18,12 +18,11 @@ import torch
 
 from tests.upstream.importer import import_upstream
 
-try:
-    C = import_upstream("vllm.models.qwen4_exp.common.ngram_embedding")
-    N = import_upstream("vllm.models.qwen4_exp.nvidia.ngram_embedding")
-    L = import_upstream("vllm.models.qwen4_exp.nvidia.ple_layer")
-except Exception as exc:  # noqa: BLE001 - any import failure means upstream is not testable here
-    pytest.skip(f"upstream Qwen4-Exp cannot be imported on this build: {exc!r}", allow_module_level=True)
+# No skip: upstream must import on both builds (tests/upstream/importer.py); if it does not, these
+# tests fail rather than hide it.
+C = import_upstream("vllm.models.qwen4_exp.common.ngram_embedding")
+N = import_upstream("vllm.models.qwen4_exp.nvidia.ngram_embedding")
+L = import_upstream("vllm.models.qwen4_exp.nvidia.ple_layer")
 
 from safetensors import safe_open  # noqa: E402
 from vllm.model_executor.layers.quantization import get_quantization_config  # noqa: E402

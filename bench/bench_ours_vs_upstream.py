@@ -262,32 +262,6 @@ def reference_child(spec: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- engine child
-def _disable_upstream_cute_dsl_if_missing() -> str | None:
-    """Turn off upstream's CuTe-DSL HC down+SiLU kernel when its packages are not installed.
-
-    Upstream selects it on sm_90+ for hyper-hidden sizes divisible by 8 and 1..48 tokens, and both
-    its warm-up and its first call import ``cutlass.cute`` and ``quack``. Without them the engine
-    cannot start; with the flag off the same merged projection runs through vLLM's linear layer.
-    """
-    import importlib.util
-
-    missing = [name for name in ("cutlass", "quack") if importlib.util.find_spec(name) is None]
-    if not missing:
-        return None
-    from vllm.models.qwen4_exp.nvidia import hyperconnection, model
-
-    init = hyperconnection.GatedResidual.__init__
-
-    def patched_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        if hasattr(self, "_use_hc_down_silu"):
-            self._use_hc_down_silu = False
-
-    hyperconnection.GatedResidual.__init__ = patched_init
-    model.request_hc_down_silu_warmup = lambda *args, **kwargs: None
-    return f"CuTe-DSL HC down+SiLU off ({', '.join(missing)} not installed)"
-
-
 def _loaded_class(llm) -> str:
     try:
         names = llm.apply_model(lambda m: f"{type(m).__module__}.{type(m).__qualname__}")
@@ -364,7 +338,9 @@ def engine_child(spec: dict) -> dict:
     result: dict = {"impl": spec["impl"], "notes": [], "tps": {}, "ttft_ms": {}, "parity": {}}
     prog = Progress(spec, result)
     if spec["impl"] == "upstream" and spec["device"] == "cuda":
-        note = _disable_upstream_cute_dsl_if_missing()
+        from model.vllm_adapter.upstream_kernels import disable_cute_dsl_hc_if_missing
+
+        note = disable_cute_dsl_hc_if_missing()
         if note:
             result["notes"].append(note)
 

@@ -73,6 +73,7 @@ def problems_for_upstream(
     v2_runner: bool,
     quantization: str | None = None,
     indexer_kv_dtype: str | None = None,
+    ple_cpu_offload: bool | None = None,
 ) -> list[str]:
     """Every reason vLLM's own CUDA Qwen4-Exp cannot serve this deployment (empty: it can).
 
@@ -81,7 +82,8 @@ def problems_for_upstream(
     build); ``capability``: the GPU's compute capability, None if unknown; ``kv_cache_dtype``:
     vLLM's ``cache_config.cache_dtype``; ``v2_runner``: vLLM picked Model Runner V2;
     ``quantization``: vLLM's resolved method (e.g. ``awq_marlin``), besides config.json's;
-    ``indexer_kv_dtype``: vLLM's ``attention_config.indexer_kv_dtype``.
+    ``indexer_kv_dtype``: vLLM's ``attention_config.indexer_kv_dtype``; ``ple_cpu_offload``: vLLM's
+    ``engram_config.cpu_offload``, where upstream keeps its PLE tables (None: no engram config).
     The FP8 main cache and the ``VLLM_QSA_KV_*`` features are not problems: our subclass carries them
     (``model.vllm_adapter.upstream_qsa``).
     Each problem names the variable or field and its fix; all are reported at once.
@@ -151,6 +153,20 @@ def problems_for_upstream(
                 f"config.json eos_token_id={eos!r}: upstream's PLE n-gram hashing reads one end-of-document "
                 "id (int(config.eos_token_id), qwen4_exp/nvidia/model_state.py:46); fix: write a single "
                 f"integer id, or {USE_OURS}"
+            )
+    if text.get("ple_layer_ids") and ple_cpu_offload is not None:
+        try:
+            wanted = envs.ple_storage_mode(env)
+        except envs.EnvError:
+            wanted = None  # a malformed value is reported by the settings check already
+        got = "pinned" if ple_cpu_offload else "device"
+        if wanted is not None and wanted != got:
+            problems.append(
+                f"{envs.PLE_CPU_OFFLOAD}={env.get(envs.PLE_CPU_OFFLOAD, '')!r} asks for PLE tables in "
+                f"{'pinned host' if wanted == 'pinned' else 'GPU'} memory, but vLLM's engram_config.cpu_offload="
+                f"{ple_cpu_offload} is where upstream puts them; fix: pass --engram-config "
+                f"'{{\"cpu_offload\": {str(wanted == 'pinned').lower()}}}' (the service does this itself), "
+                f"or set {envs.PLE_CPU_OFFLOAD} to match"
             )
     # Every format ours reads, upstream reads through our subclass (upstream_ple serves
     # ple_format.FORMATS); only a malformed declaration is a problem.
@@ -261,5 +277,6 @@ def upstream_problems(
         indexer_kv_dtype=str(
             getattr(getattr(vllm_config, "attention_config", None), "indexer_kv_dtype", "auto")
         ),
+        ple_cpu_offload=getattr(getattr(vllm_config, "engram_config", None), "cpu_offload", None),
     )
     return problems

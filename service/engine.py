@@ -9,6 +9,7 @@ server keeps answering (503 while starting, probes) during the tens of seconds l
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -81,7 +82,27 @@ def cli_args(settings: ServiceSettings, device: str) -> list[str]:
         argv += ["--chat-template", str(settings.chat_template)]
     if settings.enforce_eager or device == "cpu":  # no CUDA graphs on CPU; compiling only costs start time
         argv.append("--enforce-eager")
+    argv += upstream_ple_storage_args(device)
     return argv
+
+
+def upstream_ple_storage_args(device: str) -> list[str]:
+    """``VLLM_PLE_CPU_OFFLOAD=0`` for upstream's model: its PLE tables follow vLLM's
+    ``engram_config.cpu_offload`` (default true, pinned host memory), not our variable, so the
+    device mode is passed on as ``--engram-config``. Ours reads the variable itself. A malformed
+    value or choice is reported by the settings and model-choice checks, not here."""
+    from model import cuda_model_choice, envs
+
+    if device != "cuda":
+        return []
+    try:
+        choice = cuda_model_choice.resolve(envs.cuda_model(), cpu_build=cuda_model_choice.vllm_is_cpu_build())
+        mode = envs.ple_storage_mode()
+    except envs.EnvError:
+        return []
+    if choice != "upstream" or mode == "pinned":
+        return []
+    return ["--engram-config", json.dumps({"cpu_offload": False})]
 
 
 def parse_args(argv: list[str]) -> Namespace:
@@ -101,6 +122,7 @@ VLLM_PARAMS = {
     "gpu_memory_utilization": "QWEN4EXP_GPU_MEMORY_UTILIZATION",
     "max_num_seqs": "QWEN4EXP_MAX_NUM_SEQS",
     "chat_template": "QWEN4EXP_CHAT_TEMPLATE",
+    "engram_config": "VLLM_PLE_CPU_OFFLOAD",
 }
 
 

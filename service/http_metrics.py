@@ -49,8 +49,9 @@ SERVICE_READY = Gauge(
 )
 SERVICE_INFO = Gauge(
     PREFIX + "service_info",
-    "Constant 1, labelled with what this process serves and on which device.",
-    ("served_model_name", "device", "tensor_parallel_size", "vllm_version"),
+    "Constant 1, labelled with what this process serves, on which device, and which Qwen4-Exp "
+    "implementation (model_impl: ours, or upstream = vLLM's own with our 3090 parts).",
+    ("served_model_name", "device", "tensor_parallel_size", "vllm_version", "model_impl"),
     multiprocess_mode="livemax",
 )
 

@@ -63,12 +63,14 @@ else:
         Qwen4ExpForConditionalGeneration as _UpstreamForConditionalGeneration,
     )
 
-    from model.vllm_adapter import upstream_ple, upstream_qsa
+    from model.vllm_adapter import upstream_kernels, upstream_ple, upstream_qsa
 
     # Before any model is built: upstream's decoder layers then construct our QSA owner, and its
-    # PLE layers our table formats.
+    # PLE layers our table formats; its HC layers stay off a CuTe-DSL kernel whose packages are
+    # missing (upstream_kernels says why).
     upstream_qsa.install()
     upstream_ple.install()
+    upstream_kernels.disable_cute_dsl_hc_if_missing()
 
     class Qwen4ExpForCausalLM(_UpstreamForCausalLM):
         """Upstream's text model; refuses, before building anything, what upstream cannot serve

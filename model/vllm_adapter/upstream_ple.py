@@ -292,7 +292,36 @@ class Qwen4ExpNGramEmbeddingOurFormats(_nvidia_ngram.Qwen4ExpNGramEmbedding):
             if bf16 and m is not None:
                 _refuse_quantized_tensor_in_bf16(m.group(2), tensor, _full_name(table, name))
             rest.append((name, tensor))
-        return loaded | super().load_weights(rest)
+        loaded |= super().load_weights(rest)
+        export_table_metrics(self)
+        return loaded
+
+
+def export_table_metrics(owner: nn.Module) -> None:
+    """The PLE gauges ours exports (``ple_table_bytes``, ``ple_pinned_bytes``, ``ple_storage_info``),
+    for upstream's table of this n-gram embedding, so Grafana shows where the tables live whichever
+    implementation serves. Labels as ours: the PLE layer (``model.layers.N.ple``), the tensor-parallel
+    rank, and ours' storage and format names."""
+    from model.metrics import ple_table_bytes, tp_rank
+    from model.vllm_adapter.ple_table import ple_pinned_bytes, ple_storage_info
+
+    table = owner.ngram_embedding
+    weight = table.weight
+    nbytes = weight.numel() * weight.element_size()
+    if weight.device.type != "cpu":
+        location = "device"
+    else:
+        location = "pinned" if weight.is_pinned() else "cpu"
+    mode = "pinned" if isinstance(table, _common.Qwen4ExpPLEPinnedHostEmbedding) else "device"
+    layer = table.prefix.removesuffix(".ngram_embedding").removesuffix(".ple_embedding")
+    rank = tp_rank()
+    # Our FP8/NVFP4 methods name their format; otherwise upstream's own storage dtype.
+    fmt = getattr(table, "ple_format", None) or (
+        "bf16" if weight.dtype == torch.bfloat16 else str(weight.dtype).removeprefix("torch.")
+    )
+    ple_table_bytes().labels(layer=layer, rank=rank, storage=location).set(nbytes)
+    ple_pinned_bytes().labels(layer=layer, rank=rank).set(nbytes if location == "pinned" else 0)
+    ple_storage_info().labels(layer=layer, rank=rank, mode=mode, format=fmt).set(1)
 
 
 def _full_name(table: nn.Module, name: str) -> str:

@@ -2,8 +2,8 @@
 # On the lent GPU machine, after unpack.sh: the GPU judges that start engines, three streams at once
 # (each engine reserves its KV cache by size, so vLLM's memory profiling is not confused by the
 # others): engine parity (eager + chunked), the service on CUDA, quantized pairs through Marlin,
-# and (named in STREAMS) the kernel judges + batched QSA selection, prefix caching on CUDA, and
-# upstream (vLLM's own Qwen4-Exp with our FP8 subclass, plus tests/upstream on the CUDA build).
+# and (named in STREAMS) the service's CUDA default (upstream) on qsa512, the kernel judges +
+# batched QSA selection, prefix caching on CUDA, and upstream (vLLM's own Qwen4-Exp with our FP8 subclass, plus tests/upstream on the CUDA build).
 # Logs and a summary go to $1. STREAMS picks the streams (default "parity service marlin").
 set -uo pipefail
 out=${1:?log dir}; mkdir -p "$out"
@@ -21,9 +21,11 @@ stream() {  # name cores limit_s pytest-args...
 want() { [[ " ${STREAMS:-parity service marlin} " == *" $1 "* ]]; }
 want parity && stream parity 0-2 "${PARITY_S:-420}" tests/gpu/test_engine_parity.py -k "${PARITY_K:-eager}" &
 want service && stream service 3-5 "${SERVICE_S:-420}" tests/gpu/test_service_cuda.py &
+# the product's CUDA default (upstream through our subclass, V2 chosen by the service) on qsa512.
+want service_upstream && stream service_upstream 8-11 "${SERVICE_UPSTREAM_S:-900}" tests/gpu/test_service_upstream_cuda.py &
 # marlin: the 3090's kernels on the H200 (the test sets them); tiny-w4a16 = experts, experts-g32 (the
 # control for vLLM's Marlin-MoE scale-permutation bug) and all; ~110 s a pair.
-want marlin && stream marlin 6-7 "${MARLIN_S:-720}" tests/gpu/test_quant_marlin.py -k "${MARLIN_K:-tiny-w4a16 or qsa512-fp8 or refuses_tiny or wide-w4a16-all}" &
+want marlin && stream marlin 6-7,12-15 "${MARLIN_S:-720}" tests/gpu/test_quant_marlin.py -k "${MARLIN_K:-tiny-w4a16 or qsa512-fp8 or refuses_tiny or wide-w4a16-all}" &
 { want kernels && stream kernels 3-4 "${KERNELS_S:-300}" tests/gpu/test_ple_gather.py tests/gpu/test_qsa_clip.py \
   tests/gpu/test_qsa_kernel.py tests/unit/test_qsa_batched_selection.py
   # then, on the same cores: quantized weights and our PLE formats through upstream.

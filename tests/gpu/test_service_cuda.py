@@ -32,6 +32,8 @@ from tests.qsa_kv.helpers import run_merge
 pytestmark = pytest.mark.vllm_cuda
 
 STARTUP_TIMEOUT_S = 300.0
+# The tiny checkpoint is ours-only (a QSA top-k of 4 blocks); the default on CUDA would be upstream.
+OURS = {"QWEN4EXP_CUDA_MODEL": "ours"}
 DEVICE = os.environ.get("QWEN4EXP_GPU_DRY_RUN_DEVICE", "cuda")  # "cpu": check this file on vLLM's CPU build
 PROMPTS = {
     "short": "The quick brown fox",
@@ -47,27 +49,37 @@ def free_port() -> int:
 
 
 class Service:
-    def __init__(self, tmp: Path, name: str, **env: str) -> None:
+    """``python -m service`` (through the 3090-paths shim) on ``checkpoint``, ready to answer.
+
+    The test process's own ``QWEN4EXP_*``/``VLLM_QSA_*``/``VLLM_PLE_*`` settings are dropped, and so
+    are ``drop``'s names (``VLLM_USE_V2_MODEL_RUNNER`` to let the service choose the runner);
+    ``env`` sets the service's."""
+
+    def __init__(
+        self, tmp: Path, name: str, checkpoint: str = "tiny", drop: tuple[str, ...] = (), **env: str
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"{name}.log"
+        self.model = checkpoint
         full = {
             k: v
             for k, v in os.environ.items()
             if not k.upper().startswith(("QWEN4EXP_", "VLLM_QSA_", "VLLM_PLE_"))
             and k != "PROMETHEUS_MULTIPROC_DIR"
+            and k not in drop
         }
         full.update(
-            QWEN4EXP_MODEL=str(ensure_checkpoint("tiny")),
-            QWEN4EXP_SERVED_MODEL_NAME="tiny",
+            QWEN4EXP_MODEL=str(ensure_checkpoint(checkpoint)),
+            QWEN4EXP_SERVED_MODEL_NAME=checkpoint,
             QWEN4EXP_DEVICE=DEVICE,
             QWEN4EXP_HOST="127.0.0.1",
             QWEN4EXP_PORT=str(self.port),
             QWEN4EXP_METRICS_OPEN="true",
             QWEN4EXP_MAX_MODEL_LEN="2048",
             QWEN4EXP_GPU_MEMORY_UTILIZATION="0.3",
-            **env,
         )
+        full.update(env)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.gpu.serve_3090_paths"],
@@ -103,11 +115,29 @@ class Service:
     def greedy(self, prompt: str, max_tokens: int = 24) -> str:
         r = httpx.post(
             self.url + "/v1/completions",
-            json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0},
+            json={"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0},
             timeout=120,
         )
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["text"]
+
+    def greedy_ids(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        """Greedy token ids for a token-id prompt, ``max_tokens`` of them (vLLM's ``ignore_eos`` and
+        ``return_token_ids`` extensions of the completions API), as the parity references count."""
+        r = httpx.post(
+            self.url + "/v1/completions",
+            json={
+                "model": self.model,
+                "prompt": prompt_ids,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            },
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text
+        return list(r.json()["choices"][0]["token_ids"])
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -128,7 +158,7 @@ def runs(tmp_path_factory):
 
     from openai import OpenAI
 
-    svc = Service(tmp, "pinned")
+    svc = Service(tmp, "pinned", **OURS)
     try:
         client = OpenAI(base_url=svc.url + "/v1", api_key="unused-without-keys")
         chunks = list(
@@ -151,6 +181,7 @@ def runs(tmp_path_factory):
     svc = Service(
         tmp,
         "device",
+        **OURS,
         VLLM_PLE_CPU_OFFLOAD="0",
         QWEN4EXP_ENFORCE_EAGER="true",
         VLLM_QSA_KV_COLLECT=str(dumps),
@@ -170,6 +201,7 @@ def runs(tmp_path_factory):
     svc = Service(
         tmp,
         "fp8",
+        **OURS,
         QWEN4EXP_KV_CACHE_DTYPE="fp8",
         VLLM_QSA_KV_SCALES=str(sidecar),
         VLLM_QSA_KV_CLIP_COUNT="0.5",

@@ -35,7 +35,7 @@ SUBCLASS = "model.vllm_adapter.upstream_cuda.Qwen4ExpForCausalLM"
 CHILD = r"""
 import json, sys
 
-from bench.bench_ours_vs_upstream import _disable_upstream_cute_dsl_if_missing
+from model.vllm_adapter.upstream_kernels import disable_cute_dsl_hc_if_missing
 from model.cuda_model_choice import vllm_is_cpu_build
 from tests.gpu.engine import cuda_engine_args
 
@@ -46,7 +46,7 @@ sequential = engine_overrides.pop("sequential", False)  # one request after anot
 result = {"notes": []}
 try:
     if not vllm_is_cpu_build():  # upstream cannot be imported on the CPU build (a dry run)
-        result["notes"] += [n for n in [_disable_upstream_cute_dsl_if_missing()] if n]
+        result["notes"] += [n for n in [disable_cute_dsl_hc_if_missing()] if n]
     from vllm import LLM, SamplingParams
 
     args = dict(dtype="bfloat16", max_model_len=4096, seed=0, enable_prefix_caching=False)

@@ -42,6 +42,7 @@ def test_metrics_after_traffic(server: Server) -> None:
     }  # fmt: skip
     info = m["qwen4exp_service_info"][0]
     assert info.labels["device"] == "cpu" and info.labels["served_model_name"] == "tiny"
+    assert info.labels["model_impl"] == "ours"  # the only implementation on vLLM's CPU build
     assert m["qwen4exp_service_ready"][0].value == 1
 
     # The model's metrics, set inside the worker process, reach the API server's /metrics.

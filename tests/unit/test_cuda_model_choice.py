@@ -233,3 +233,23 @@ def test_service_picks_the_model_runner_for_the_implementation(monkeypatch):
     monkeypatch.delenv(choice.V2_RUNNER)
     engine.default_model_runner()
     assert choice.V2_RUNNER not in os.environ
+
+
+PLE_CONFIG = {**CLEAN_CONFIG, "ple_layer_ids": [1], "eos_token_id": 2}
+
+
+def test_ple_storage_must_match_upstreams_engram_config():
+    """Upstream puts its PLE tables where vLLM's engram_config says, not where VLLM_PLE_CPU_OFFLOAD
+    does: a disagreement is refused with the flag that fixes it."""
+    off = {envs.PLE_CPU_OFFLOAD: "0"}
+    assert problems(PLE_CONFIG, ple_cpu_offload=True) == []  # both default to pinned
+    assert problems(PLE_CONFIG, off, ple_cpu_offload=False) == []
+    assert problems(PLE_CONFIG, {envs.PLE_CPU_OFFLOAD: "yes"}, ple_cpu_offload=True) == []
+    (found,) = problems(PLE_CONFIG, off, ple_cpu_offload=True)
+    assert found.startswith("VLLM_PLE_CPU_OFFLOAD='0' asks for PLE tables in GPU memory")
+    assert """--engram-config '{"cpu_offload": false}'""" in found
+    (found,) = problems(PLE_CONFIG, {}, ple_cpu_offload=False)
+    assert "pinned host memory" in found and """'{"cpu_offload": true}'""" in found
+    # No PLE layers, or no engram config resolved: nothing to compare.
+    assert problems(CLEAN_CONFIG, off, ple_cpu_offload=True) == []
+    assert problems(PLE_CONFIG, off, ple_cpu_offload=None) == []

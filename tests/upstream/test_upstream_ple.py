@@ -425,3 +425,22 @@ def test_upstream_fp8_table_scale_name_is_accepted(converted, groups):
     rows = random_rows(ngram)
     got = ngram.ngram_embedding.dequantize(ngram.ngram_embedding(rows).flatten(-2), torch.bfloat16)
     assert same_bits(got, lookup_ref(ref, rows).flatten(-2))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3", "nvfp4"])
+def test_loaded_table_exports_ours_ple_gauges(fmt, converted, groups):
+    """After loading, upstream's table reports the gauges ours does (Grafana's PLE panels)."""
+    from prometheus_client import REGISTRY
+
+    path = ensure_checkpoint("wide") if fmt == "bf16" else converted[fmt]
+    ngram = build(text_config(path), 0)
+    load(ngram, ple_tensors(path, 0))
+    weight = ngram.ngram_embedding.weight
+    layer = {"layer": "model.layers.X.ple", "rank": "0"}  # ours' label for the same layer
+    value = REGISTRY.get_sample_value
+    assert (
+        value("qwen4exp_ple_table_bytes", {**layer, "storage": "cpu"})
+        == weight.numel() * weight.element_size()
+    )
+    assert value("qwen4exp_ple_pinned_bytes", layer) == 0.0  # no page-locked memory without CUDA
+    assert value("qwen4exp_ple_storage_info", {**layer, "mode": "device", "format": fmt}) == 1.0

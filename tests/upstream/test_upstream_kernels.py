@@ -1,0 +1,59 @@
+"""``model.vllm_adapter.upstream_kernels``: upstream's CuTe-DSL HC kernel is kept off, not crashed
+into, where its packages are missing (upstream's modules imported on the CPU build)."""
+
+from __future__ import annotations
+
+import pytest
+
+from model.vllm_adapter import upstream_kernels as K
+from tests.upstream.importer import import_upstream
+
+HC = import_upstream("vllm.models.qwen4_exp.nvidia.hyperconnection")
+MODEL = import_upstream("vllm.models.qwen4_exp.nvidia.model")
+
+
+@pytest.fixture
+def restore(monkeypatch):
+    """Upstream's originals come back after the test (the patch is process-wide)."""
+    cls = HC.GatedResidual
+    monkeypatch.setattr(cls, "__init__", cls.__init__)
+    monkeypatch.setattr(MODEL, "request_hc_down_silu_warmup", MODEL.request_hc_down_silu_warmup)
+    monkeypatch.delattr(cls, K._PATCHED, raising=False)
+    return cls
+
+
+def test_nothing_changes_when_the_packages_are_there(restore):
+    init = restore.__init__
+    assert K.disable_cute_dsl_hc_if_missing(missing=[]) is None
+    assert restore.__init__ is init
+
+
+def test_missing_packages_turn_the_kernel_off_and_its_warmup(restore, monkeypatch, caplog):
+    def upstream_like_init(self, *args, **kwargs):
+        self._use_hc_down_silu = True  # what upstream decides on sm_90+
+
+    monkeypatch.setattr(restore, "__init__", upstream_like_init)
+    monkeypatch.setattr(K.inspect, "getsource", lambda obj: "self._use_hc_down_silu = (")
+    with caplog.at_level("WARNING"):
+        note = K.disable_cute_dsl_hc_if_missing(missing=["quack"])
+    assert note and "quack not installed" in note and note in caplog.text
+    layer = object.__new__(restore)
+    layer.__init__()
+    assert layer._use_hc_down_silu is False
+    assert MODEL.request_hc_down_silu_warmup(None) is None  # a no-op now
+    K.disable_cute_dsl_hc_if_missing(missing=["quack"])  # idempotent: not wrapped twice
+    assert restore.__init__.__name__ == "init_without_cute_dsl"
+    assert restore.__init__.__closure__[0].cell_contents is upstream_like_init
+
+
+def test_upstream_still_sets_the_flag_the_patch_clears():
+    """If upstream renames the flag, the patch would clear nothing; the module refuses that."""
+    import inspect
+
+    assert "self._use_hc_down_silu" in inspect.getsource(HC.GatedResidual.__init__)
+
+
+def test_a_renamed_flag_is_refused(restore, monkeypatch):
+    monkeypatch.setattr(K.inspect, "getsource", lambda obj: "def __init__(self): pass")
+    with pytest.raises(RuntimeError, match="no longer sets _use_hc_down_silu"):
+        K.disable_cute_dsl_hc_if_missing(missing=["cutlass"])

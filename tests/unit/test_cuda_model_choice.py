@@ -220,6 +220,9 @@ def test_service_picks_the_model_runner_for_the_implementation(monkeypatch):
     from service import engine
 
     monkeypatch.setattr(choice, "vllm_is_cpu_build", lambda: False)
+    # Recorded first, so that monkeypatch removes what default_model_runner() writes into os.environ
+    # (delenv of an absent name records nothing: the variable leaked into later tests).
+    monkeypatch.setenv(choice.V2_RUNNER, "")
     for value, want in (("", "1"), ("auto", "1"), ("upstream", "1"), ("ours", "0")):
         monkeypatch.setenv(envs.CUDA_MODEL, value)
         monkeypatch.delenv(choice.V2_RUNNER, raising=False)

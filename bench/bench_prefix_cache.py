@@ -13,7 +13,10 @@ printed so a run without a hit cannot pass for a fast one.
 Runs on vLLM's CPU build (eager, bf16) and on CUDA (``--cuda-graphs`` to leave graphs on).
 ``--upstream`` (CUDA) serves vLLM's own Qwen4-Exp through our subclass (``QWEN4EXP_CUDA_MODEL=upstream``,
 Model Runner V2, the engine core in this process, as ``bench/bench_ours_vs_upstream.py`` runs it);
-it needs a checkpoint upstream takes, e.g. ``qsa512``.
+it needs a checkpoint upstream takes, e.g. ``qsa512``. Upstream runs eager here: with CUDA graphs
+our subclass refuses prefix caching, because on the H200 that combination ignored the prompt's tail
+after its last full cache block (``model/cuda_model_choice.py``); the 4.2x measured with graphs on
+2026-12-01 timed that wrong path and is void.
 """
 
 from __future__ import annotations
@@ -94,6 +97,10 @@ def main() -> None:
     parser.add_argument("--gpu-mem", type=float, default=0.5, help="gpu_memory_utilization (CUDA)")
     parser.add_argument("--upstream", action="store_true", help="QWEN4EXP_CUDA_MODEL=upstream (CUDA)")
     args = parser.parse_args()
+    if args.upstream and args.cuda_graphs:
+        parser.error(
+            "--upstream --cuda-graphs: upstream refuses prefix caching with CUDA graphs (see the docstring)"
+        )
     if args.upstream:
         os.environ.update(
             QWEN4EXP_CUDA_MODEL="upstream", VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"

@@ -228,32 +228,59 @@ def test_upstream_fp8_cache_with_calibrated_sidecar_and_clip_counters(bf16_run, 
     assert first >= len(prompts) - 1, (fp8["tokens"], bf16["tokens"])
 
 
+def prefix_prompts(path: Path) -> dict[str, list[int]]:
+    """Requests sharing a 4,080-token text prefix (15 of the 272-token blocks vLLM picks for qsa512)
+    with different 8-token suffixes, and the first again. Text, not random ids: on random ids the
+    trained checkpoint's greedy choices are near-ties everywhere."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = tokenizer(" ".join(SENTENCES[(7 * i) % len(SENTENCES)] for i in range(200)))["input_ids"]
+    prefix = text[:4080]
+    assert len(prefix) == 4080
+    prompts = {"first": prefix + text[4100:4108], "other_suffix": prefix + text[4200:4208]}
+    prompts["again"] = list(prompts["first"])
+    return prompts
+
+
 def test_upstream_prefix_cache_hits_give_the_same_tokens(tmp_path):
-    """Prefix caching on the chosen path (align mode: QSA pages and compressed keys by block hash,
-    GDN and PLE states at the hit's block boundary): requests sharing a 4,080-token prefix (a
-    multiple of the block sizes vLLM picked for qsa512) hit the cache and generate what a cold engine
-    generates; with breakable graphs, as it serves."""
-    import random
+    """Prefix caching on the chosen path, eager (align mode: QSA pages and compressed keys by block
+    hash, GDN and PLE states at the hit's block boundary): the shared prefix hits the cache and the
+    tokens are a cold engine's, up to near-ties (the cached engine chunks at block boundaries)."""
+    from tests.quant.parity import compare
 
     path = ensure_checkpoint("qsa512")
-    rng = random.Random(0)
-    prefix = [rng.randrange(3, 500) for _ in range(4080)]
-    prompts = {
-        "first": prefix + [rng.randrange(3, 500) for _ in range(8)],
-        "other_suffix": prefix + [rng.randrange(3, 500) for _ in range(8)],
-    }
-    prompts["again"] = list(prompts["first"])
-    engine = {"graphs": True, "max_model_len": 8192}
-    cached = run_upstream(
-        tmp_path / "on", path, prompts, engine={**engine, "enable_prefix_caching": True, "sequential": True}
-    )
+    prompts = prefix_prompts(path)
+    engine = {"max_model_len": 8192, "sequential": True}
+    cached = run_upstream(tmp_path / "on", path, prompts, engine={**engine, "enable_prefix_caching": True})
     assert "error" not in cached, f"{cached['error']}\n{cached['log_tail']}"
     cold = run_upstream(tmp_path / "off", path, prompts, engine=engine)
     assert "error" not in cold, f"{cold['error']}\n{cold['log_tail']}"
-    print(f"cached tokens per request: {cached['cached']}", flush=True)
+    same = sum(cached["tokens"][n] == cold["tokens"][n] for n in prompts)
+    print(
+        f"cached tokens per request: {cached['cached']}; {same}/{len(prompts)} identical to cold", flush=True
+    )
     assert cached["cached"]["first"] == 0
     assert cached["cached"]["other_suffix"] >= 4000 and cached["cached"]["again"] >= 4000, cached["cached"]
-    assert cached["tokens"] == cold["tokens"]
+    problems = compare(twin_logprobs(cached), twin_logprobs(cold))
+    assert not problems, "\n".join(problems)
+
+
+def test_upstream_refuses_prefix_caching_with_cuda_graphs(tmp_path):
+    """Measured wrong on the H200 (2026-12-01): with prefix caching and breakable graphs all three
+    requests of :func:`prefix_prompts` were continued from token 4,080, their suffixes ignored (on
+    the cache miss too), where a cold engine with graphs and the eager cached engine continued after
+    the suffix. Until that is found, the subclass refuses the combination at start-up."""
+    path = ensure_checkpoint("qsa512")
+    got = run_upstream(
+        tmp_path,
+        path,
+        prefix_prompts(path),
+        engine={"graphs": True, "max_model_len": 8192, "enable_prefix_caching": True},
+    )
+    assert "prefix caching together with CUDA graphs" in got.get("error", ""), (
+        got.get("error") or got["log_tail"]
+    )
 
 
 # Quantized weights and our PLE table formats through upstream, each against its bf16 twin holding

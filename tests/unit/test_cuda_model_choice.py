@@ -256,3 +256,32 @@ def test_ple_storage_must_match_upstreams_engram_config():
     # No PLE layers, or no engram config resolved: nothing to compare.
     assert problems(CLEAN_CONFIG, off, ple_cpu_offload=True) == []
     assert problems(PLE_CONFIG, off, ple_cpu_offload=None) == []
+
+
+def test_prefix_caching_with_cuda_graphs_is_refused():
+    """Measured wrong on the H200 (the prompt's tail after the last full block was ignored)."""
+    assert problems(prefix_caching=True) == []  # eager
+    assert problems(cuda_graphs=True) == []
+    (found,) = problems(prefix_caching=True, cuda_graphs=True)
+    assert found.startswith("prefix caching together with CUDA graphs")
+    assert "QWEN4EXP_ENFORCE_EAGER=true" in found and "QWEN4EXP_PREFIX_CACHING=false" in found
+    assert found.endswith(choice.USE_OURS)
+
+
+@pytest.mark.parametrize(
+    ("eager", "mode", "graphs"),
+    [
+        (False, "PIECEWISE", True),
+        (False, "FULL_AND_PIECEWISE", True),
+        (False, "NONE", False),
+        (True, "PIECEWISE", False),
+    ],
+)
+def test_cuda_graphs_fact_from_the_vllm_config(eager, mode, graphs):
+    from vllm.config.compilation import CUDAGraphMode
+
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(enforce_eager=eager),
+        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode]),
+    )
+    assert choice._captures_cuda_graphs(config) is graphs

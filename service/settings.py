@@ -92,7 +92,8 @@ class ServiceSettings(BaseSettings):
     prefix_caching: bool | None = Field(
         None,
         description="Reuse the cache of a repeated prompt prefix (vLLM prefix caching, hybrid `align` "
-        "mode); unset: on with vLLM's CPU build (token parity tested), off on CUDA (not yet verified there).",
+        "mode); unset: on with vLLM's CPU build (token parity tested), off on CUDA. On CUDA the default "
+        "(upstream) refuses it with CUDA graphs (wrong tokens measured); with QWEN4EXP_ENFORCE_EAGER=true it runs.",
     )
     host: str = Field(
         "0.0.0.0", min_length=1, description="Address to listen on (`scripts/serve.sh` uses 127.0.0.1)."

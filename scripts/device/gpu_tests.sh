@@ -19,8 +19,8 @@ stream() {  # name cores limit_s pytest-args...
 }
 : > "$out/summary.txt"
 want() { [[ " ${STREAMS:-parity service marlin} " == *" $1 "* ]]; }
-want parity && stream parity 0-2 "${PARITY_S:-420}" tests/gpu/test_engine_parity.py -k "${PARITY_K:-eager}" &
-want service && stream service 3-5 "${SERVICE_S:-420}" tests/gpu/test_service_cuda.py &
+want parity && stream parity 0-2 "${PARITY_S:-600}" tests/gpu/test_engine_parity.py -k "${PARITY_K:-eager}" &
+want service && stream service 3-5 "${SERVICE_S:-600}" tests/gpu/test_service_cuda.py &
 # the product's CUDA default (upstream through our subclass, V2 chosen by the service) on qsa512.
 want service_upstream && stream service_upstream 8-11 "${SERVICE_UPSTREAM_S:-900}" tests/gpu/test_service_upstream_cuda.py &
 # marlin: the 3090's kernels on the H200 (the test sets them); tiny-w4a16 = experts, experts-g32 (the

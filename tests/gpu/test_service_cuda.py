@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -150,46 +151,55 @@ class Service:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The three services, one after another; what each answered."""
-    tmp = tmp_path_factory.mktemp("service_cuda")
-    out: dict = {"tmp": tmp}
-
+def stream_chat(svc: Service) -> list:
+    """A streamed chat completion with ``include_usage`` through the official openai client."""
     from openai import OpenAI
 
-    svc = Service(tmp, "pinned", **OURS)
-    try:
-        client = OpenAI(base_url=svc.url + "/v1", api_key="unused-without-keys")
-        chunks = list(
-            client.chat.completions.create(
-                model="tiny",
-                messages=[{"role": "user", "content": "Once upon a time"}],
-                max_tokens=16,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
+    client = OpenAI(base_url=svc.url + "/v1", api_key="unused-without-keys")
+    return list(
+        client.chat.completions.create(
+            model=svc.model,
+            messages=[{"role": "user", "content": "Once upon a time"}],
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
         )
-        out["stream"] = chunks
-        out["pinned_texts"] = {n: svc.greedy(p) for n, p in PROMPTS.items()}
-        out["pinned_metrics"] = svc.samples("qwen4exp_ple_")
+    )
+
+
+def serve_three_ways(
+    tmp: Path, checkpoint: str, answer: Callable[[Service], dict], drop: tuple[str, ...] = (), **env: str
+) -> dict:
+    """The three starts of both service tests, one after another, each asked ``answer(svc)``:
+
+    ``default`` (the defaults: CUDA graphs, PLE tables pinned; also a streamed chat and
+    ``qwen4exp_service_info``), ``device`` (``VLLM_PLE_CPU_OFFLOAD=0``, eager, collecting FP8
+    calibration absmax) and ``fp8`` (the FP8 QSA cache with the sidecar merged from ``device``'s
+    dumps, clip counter on). ``drop`` and ``env``: every start's (see :class:`Service`). Returns each
+    start's answers under its name, its ``qwen4exp_ple_*`` (``<name>_ple``) or ``qwen4exp_qsa_kv_*``
+    (``fp8_metrics``) samples and exit code (``<name>_rc``), the stream, the service info and the sidecar.
+    """
+    out: dict = {}
+    svc = Service(tmp, "default", checkpoint, drop, **env)
+    try:
+        out["stream"] = stream_chat(svc)
         out["service_info"] = svc.samples("qwen4exp_service_info")
+        out["default"] = answer(svc)
+        out["default_ple"] = svc.samples("qwen4exp_ple_")
     finally:
-        out["pinned_rc"] = svc.stop()
+        out["default_rc"] = svc.stop()
 
     dumps = tmp / "kvdumps"
-    svc = Service(
-        tmp,
-        "device",
-        **OURS,
+    device_env = dict(
         VLLM_PLE_CPU_OFFLOAD="0",
         QWEN4EXP_ENFORCE_EAGER="true",
         VLLM_QSA_KV_COLLECT=str(dumps),
         VLLM_QSA_KV_COLLECT_INTERVAL="1",
     )
+    svc = Service(tmp, "device", checkpoint, drop, **env, **device_env)
     try:
-        out["device_texts"] = {n: svc.greedy(p) for n, p in PROMPTS.items()}
-        out["device_metrics"] = svc.samples("qwen4exp_ple_")
+        out["device"] = answer(svc)
+        out["device_ple"] = svc.samples("qwen4exp_ple_")
     finally:
         out["device_rc"] = svc.stop()
 
@@ -198,20 +208,25 @@ def runs(tmp_path_factory):
     assert merge.returncode == 0, merge.stdout + merge.stderr
     out["sidecar"] = json.loads(sidecar.read_text())
 
-    svc = Service(
-        tmp,
-        "fp8",
-        **OURS,
-        QWEN4EXP_KV_CACHE_DTYPE="fp8",
-        VLLM_QSA_KV_SCALES=str(sidecar),
-        VLLM_QSA_KV_CLIP_COUNT="0.5",
+    fp8_env = dict(
+        QWEN4EXP_KV_CACHE_DTYPE="fp8", VLLM_QSA_KV_SCALES=str(sidecar), VLLM_QSA_KV_CLIP_COUNT="0.5"
     )
+    svc = Service(tmp, "fp8", checkpoint, drop, **env, **fp8_env)
     try:
-        out["fp8_texts"] = {n: svc.greedy(p) for n, p in PROMPTS.items()}
+        out["fp8"] = answer(svc)
         time.sleep(1.5)  # one clip-counter read after the requests
         out["fp8_metrics"] = svc.samples("qwen4exp_qsa_kv_")
     finally:
         out["fp8_rc"] = svc.stop()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The three services on tiny (ours), one after another; what each answered."""
+    tmp = tmp_path_factory.mktemp("service_cuda")
+    out = serve_three_ways(tmp, "tiny", lambda svc: {n: svc.greedy(p) for n, p in PROMPTS.items()}, **OURS)
+    out["tmp"] = tmp
     return out
 
 
@@ -226,18 +241,18 @@ def test_openai_client_streams_with_usage(runs):
 
 
 def test_pinned_ple_tables_on_metrics(runs):
-    pinned = [s for s in runs["pinned_metrics"] if s.name == "qwen4exp_ple_pinned_bytes"]
+    pinned = [s for s in runs["default_ple"] if s.name == "qwen4exp_ple_pinned_bytes"]
     assert pinned and all(s.value > 0 for s in pinned), pinned
-    modes = {s.labels["mode"] for s in runs["pinned_metrics"] if s.name == "qwen4exp_ple_storage_info"}
+    modes = {s.labels["mode"] for s in runs["default_ple"] if s.name == "qwen4exp_ple_storage_info"}
     assert modes == {"pinned"}, modes
-    assert runs["pinned_rc"] == 0
+    assert runs["default_rc"] == 0
 
 
 def test_device_ple_tables_generate_the_same_tokens(runs):
-    assert runs["device_texts"] == runs["pinned_texts"]
-    pinned = [s for s in runs["device_metrics"] if s.name == "qwen4exp_ple_pinned_bytes"]
+    assert runs["device"] == runs["default"]
+    pinned = [s for s in runs["device_ple"] if s.name == "qwen4exp_ple_pinned_bytes"]
     assert pinned and all(s.value == 0 for s in pinned), pinned
-    modes = {s.labels["mode"] for s in runs["device_metrics"] if s.name == "qwen4exp_ple_storage_info"}
+    modes = {s.labels["mode"] for s in runs["device_ple"] if s.name == "qwen4exp_ple_storage_info"}
     assert modes == {"device"}, modes
     assert runs["device_rc"] == 0
 
@@ -267,7 +282,7 @@ def test_fp8_kv_cache_with_calibrated_sidecar_and_clip_counters(runs):
                 and s.labels["tensor"] == tensor
             ]
             assert clipped, f"no clip counter for {layer} {tensor}: {m}"
-    same = sum(runs["fp8_texts"][n] == runs["pinned_texts"][n] for n in PROMPTS)
+    same = sum(runs["fp8"][n] == runs["default"][n] for n in PROMPTS)
     print(f"FP8 KV: {same}/{len(PROMPTS)} greedy completions equal to the BF16 cache's")
-    assert all(runs["fp8_texts"].values())
+    assert all(runs["fp8"].values())
     assert runs["fp8_rc"] == 0

@@ -16,90 +16,30 @@ Three starts (``qsa512``: the smallest preset upstream's top-k kernels take):
 
 from __future__ import annotations
 
-import json
-import time
-
 import pytest
 
 from tests.parity.test_generation_parity import MAX_NEW_TOKENS, assert_same
-from tests.qsa_kv.helpers import run_merge
 
 from .test_engine_parity import REF_DEVICE, reference_greedy
-from .test_service_cuda import DEVICE, Service
+from .test_service_cuda import DEVICE, serve_three_ways
 from .test_upstream_cuda import qsa512_prompts
 
 pytestmark = pytest.mark.vllm_cuda
 
 # The service chooses both itself; gpu_tests.sh and tests/gpu/conftest.py pin them for ours.
 DEFAULTS = ("QWEN4EXP_CUDA_MODEL", "VLLM_USE_V2_MODEL_RUNNER")
-COMMON = {"QWEN4EXP_MAX_MODEL_LEN": "4096"}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("service_upstream")
     path, prompts = qsa512_prompts()
-    out: dict = {"prompts": prompts}
-    from openai import OpenAI
 
-    svc = Service(tmp, "default", "qsa512", drop=DEFAULTS, **COMMON)
-    try:
-        client = OpenAI(base_url=svc.url + "/v1", api_key="unused-without-keys")
-        out["stream"] = list(
-            client.chat.completions.create(
-                model="qsa512",
-                messages=[{"role": "user", "content": "Once upon a time"}],
-                max_tokens=16,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-        )
-        out["default"] = {n: svc.greedy_ids(ids, MAX_NEW_TOKENS) for n, ids in prompts.items()}
-        out["default_ple"] = svc.samples("qwen4exp_ple_")
-        out["service_info"] = svc.samples("qwen4exp_service_info")
-    finally:
-        out["default_rc"] = svc.stop()
-        out["default_log"] = svc.log()
+    def answer(svc):
+        return {n: svc.greedy_ids(ids, MAX_NEW_TOKENS) for n, ids in prompts.items()}
 
-    dumps = tmp / "kvdumps"
-    svc = Service(
-        tmp,
-        "device",
-        "qsa512",
-        drop=DEFAULTS,
-        VLLM_PLE_CPU_OFFLOAD="0",
-        QWEN4EXP_ENFORCE_EAGER="true",
-        VLLM_QSA_KV_COLLECT=str(dumps),
-        VLLM_QSA_KV_COLLECT_INTERVAL="1",
-        **COMMON,
-    )
-    try:
-        out["device"] = {n: svc.greedy_ids(ids, MAX_NEW_TOKENS) for n, ids in prompts.items()}
-        out["device_ple"] = svc.samples("qwen4exp_ple_")
-    finally:
-        out["device_rc"] = svc.stop()
-
-    sidecar = tmp / "qsa-kv-scales.json"
-    merge = run_merge(dumps, sidecar)
-    assert merge.returncode == 0, merge.stdout + merge.stderr
-    out["sidecar"] = json.loads(sidecar.read_text())
-
-    svc = Service(
-        tmp,
-        "fp8",
-        "qsa512",
-        drop=DEFAULTS,
-        QWEN4EXP_KV_CACHE_DTYPE="fp8",
-        VLLM_QSA_KV_SCALES=str(sidecar),
-        VLLM_QSA_KV_CLIP_COUNT="0.5",
-        **COMMON,
-    )
-    try:
-        out["fp8"] = {n: svc.greedy_ids(ids, MAX_NEW_TOKENS) for n, ids in prompts.items()}
-        time.sleep(1.5)  # one clip-counter read after the requests
-        out["fp8_metrics"] = svc.samples("qwen4exp_qsa_kv_")
-    finally:
-        out["fp8_rc"] = svc.stop()
+    out = serve_three_ways(tmp, "qsa512", answer, DEFAULTS, QWEN4EXP_MAX_MODEL_LEN="4096")
+    out["prompts"] = prompts
     out["reference"] = reference_greedy(path, prompts, REF_DEVICE)
     return out
 

@@ -338,6 +338,11 @@ def engine_child(spec: dict) -> dict:
     result: dict = {"impl": spec["impl"], "notes": [], "tps": {}, "ttft_ms": {}, "parity": {}}
     prog = Progress(spec, result)
     if spec["impl"] == "upstream" and spec["device"] == "cuda":
+        # Raw upstream (our plugin off), so the CuTe-DSL switch is ours to apply, and it imports
+        # upstream before LLM(): enable breakable graphs first, as vLLM's config would for
+        # Qwen4-Exp, or the modules keep no graph breaks (model/vllm_adapter/upstream_kernels.py).
+        if not IMPLS[spec["impl"]][1]:
+            os.environ.setdefault("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
         from model.vllm_adapter.upstream_kernels import disable_cute_dsl_hc_if_missing
 
         note = disable_cute_dsl_hc_if_missing()

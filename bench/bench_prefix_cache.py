@@ -105,11 +105,8 @@ def main() -> None:
         os.environ.update(
             QWEN4EXP_CUDA_MODEL="upstream", VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"
         )
-        from model.vllm_adapter.upstream_kernels import disable_cute_dsl_hc_if_missing
-
-        note = disable_cute_dsl_hc_if_missing()
-        if note:
-            print(note)
+        # Nothing from upstream is imported here: the subclass module does what it needs once vLLM has
+        # built its config (see model/vllm_adapter/upstream_kernels.py for why the order matters).
     else:  # ours, also on CUDA (where the default would be upstream), on its V1 runner there
         os.environ.setdefault("QWEN4EXP_CUDA_MODEL", "ours")
 

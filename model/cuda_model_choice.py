@@ -173,12 +173,13 @@ def problems_for_upstream(
             )
     if prefix_caching and cuda_graphs:
         problems.append(
-            "prefix caching together with CUDA graphs: on the H200 (2026-12-01, "
-            "tests/gpu/test_upstream_cuda.py) upstream's model through our subclass then ignored the "
-            "prompt's tokens after its last full cache block (a 4,088-token prompt was continued from "
-            "token 4,080, on a cache miss too); eager with prefix caching continued correctly; fix: "
-            "QWEN4EXP_ENFORCE_EAGER=true (--enforce-eager), or prefix caching off "
-            f"(QWEN4EXP_PREFIX_CACHING=false, --no-enable-prefix-caching), or {USE_OURS}"
+            "prefix caching together with CUDA graphs is not verified: on the H200 (2026-12-01) that "
+            "run ignored each prompt's tokens after its last full cache block, in a harness that had "
+            "imported upstream before vLLM enabled breakable graphs (the likely cause, now refused "
+            "by itself: model/vllm_adapter/upstream_kernels.py); eager with prefix caching continued "
+            "correctly; until a GPU run shows the combination right, fix: QWEN4EXP_ENFORCE_EAGER=true "
+            "(--enforce-eager), or prefix caching off (QWEN4EXP_PREFIX_CACHING=false, "
+            f"--no-enable-prefix-caching), or {USE_OURS}"
         )
     # Every format ours reads, upstream reads through our subclass (upstream_ple serves
     # ple_format.FORMATS); only a malformed declaration is a problem.
@@ -261,7 +262,7 @@ def refuse_unless_upstream_can_serve(
         raise ValueError(refusal_message(problems))
 
 
-def _captures_cuda_graphs(vllm_config: Any) -> bool:
+def captures_cuda_graphs(vllm_config: Any) -> bool:
     """Whether vLLM will capture CUDA graphs (its resolved ``cudagraph_mode`` is not NONE)."""
     if getattr(vllm_config.model_config, "enforce_eager", False):
         return False
@@ -299,6 +300,6 @@ def upstream_problems(
         ),
         ple_cpu_offload=getattr(getattr(vllm_config, "engram_config", None), "cpu_offload", None),
         prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False)),
-        cuda_graphs=_captures_cuda_graphs(vllm_config),
+        cuda_graphs=captures_cuda_graphs(vllm_config),
     )
     return problems

@@ -37,7 +37,7 @@ serving ours under the name ``upstream``.
 
 from __future__ import annotations
 
-from model.cuda_model_choice import refuse_unless_upstream_can_serve, vllm_is_cpu_build
+from model.cuda_model_choice import captures_cuda_graphs, refuse_unless_upstream_can_serve, vllm_is_cpu_build
 
 if vllm_is_cpu_build():
     from model.vllm_adapter.model import Qwen4ExpForCausalLM as _OursForCausalLM
@@ -80,6 +80,8 @@ else:
 
         def __init__(self, *, vllm_config, prefix: str = "") -> None:
             refuse_unless_upstream_can_serve(vllm_config)
+            if captures_cuda_graphs(vllm_config):
+                upstream_kernels.refuse_missing_graph_breaks()
             super().__init__(vllm_config=vllm_config, prefix=prefix)
 
     class Qwen4ExpForConditionalGeneration(_UpstreamForConditionalGeneration):
@@ -92,4 +94,6 @@ else:
 
         def __init__(self, *, vllm_config, prefix: str = "model") -> None:
             refuse_unless_upstream_can_serve(vllm_config)
+            if captures_cuda_graphs(vllm_config):
+                upstream_kernels.refuse_missing_graph_breaks()
             super().__init__(vllm_config=vllm_config, prefix=prefix)

@@ -1,4 +1,5 @@
-"""Which of upstream Qwen4-Exp's optional CUDA kernels can run in this installation.
+"""Which of upstream Qwen4-Exp's optional CUDA kernels can run here, and whether its CUDA-graph
+break points were installed.
 
 Why: on sm_90+ upstream's hyper-connection picks a CuTe-DSL "down projection + SiLU" kernel for
 1-48 tokens, and both its warm-up and its first call import ``cutlass.cute`` (``nvidia-cutlass-dsl``)
@@ -62,3 +63,59 @@ def disable_cute_dsl_hc_if_missing(missing: list[str] | None = None) -> str | No
     )
     logger.warning(note)
     return note
+
+
+# Upstream's functions that must run outside a captured piecewise graph, on the live batch's
+# metadata (GDN state indices, QSA selection, PLE short-conv state): vLLM wraps them with
+# ``eager_break_during_capture``, which decides *at import* (``functools.wraps`` leaves
+# ``__wrapped__`` on the wrapper only when it installed the break).
+GRAPH_BREAKS = (
+    ("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn", "qwen_gdn_attention_core"),
+    (
+        "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn",
+        "qwen_gdn_attention_core_fused_norm_packed",
+    ),
+    ("vllm.models.qwen4_exp.nvidia.qsa", "Qwen4ExpQSAAttention._run_qsa"),
+    ("vllm.models.qwen4_exp.nvidia.ple_layer", "Qwen4ExpPLELayer._short_conv"),
+)
+
+
+def missing_graph_breaks() -> list[str]:
+    """Upstream functions imported without their graph break although vLLM runs breakable CUDA
+    graphs now (empty when breakable graphs are off, or every break is in place).
+
+    Why it matters: ``VLLM_USE_BREAKABLE_CUDAGRAPH`` is set by ``VllmConfig`` for Qwen4-Exp, and a
+    module imported before that keeps its plain functions. The piecewise graphs are then captured
+    whole, on a dummy decode batch, and a small prefill replayed through one (e.g. the remainder
+    after the last full block in prefix-caching align mode) updates the dummy's state instead of
+    the request's. Seen on the H200 (2026-12-01): a harness imported upstream before ``LLM()``, and
+    the 8-token tail of 4,088-token prompts was lost.
+    """
+    import importlib
+
+    from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+
+    if not is_breakable_cudagraph_enabled():
+        return []
+    missing = []
+    for module, qualname in GRAPH_BREAKS:
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        if not hasattr(obj, "__wrapped__"):
+            missing.append(f"{module}.{qualname}")
+    return missing
+
+
+def refuse_missing_graph_breaks() -> None:
+    """Raise ``ValueError`` naming the functions if :func:`missing_graph_breaks` finds any. Called by
+    the upstream subclasses before they build anything, when vLLM will capture CUDA graphs."""
+    missing = missing_graph_breaks()
+    if missing:
+        raise ValueError(
+            "vLLM runs breakable CUDA graphs, but upstream Qwen4-Exp modules were imported before it "
+            f"enabled them, so {', '.join(missing)} would be captured inside the graphs and small "
+            "prefills would run on the capture's dummy batch (wrong tokens); fix: import nothing from "
+            "vllm.models.qwen4_exp or vllm.model_executor.layers.mamba before the engine is built "
+            "(or set VLLM_USE_BREAKABLE_CUDAGRAPH=1 first), or --enforce-eager"
+        )

@@ -6,7 +6,7 @@ One engine per child process (a fresh interpreter): the implementation is regist
 the plugin, and upstream needs Model Runner V2 where this directory's conftest pins V1 for ours. The
 child runs the engine core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so a start-up
 failure arrives as the real exception, as in ``bench/bench_ours_vs_upstream.py``, whose settings this
-follows (Triton GDN prefill; upstream's CuTe-DSL HC kernel off where its packages are missing).
+follows (Triton GDN prefill).
 ``qsa512``: the smallest preset whose top-k (2048 / 4 = 512 blocks) upstream's kernels take.
 """
 
@@ -35,18 +35,21 @@ SUBCLASS = "model.vllm_adapter.upstream_cuda.Qwen4ExpForCausalLM"
 CHILD = r"""
 import json, sys
 
-from model.vllm_adapter.upstream_kernels import disable_cute_dsl_hc_if_missing
-from model.cuda_model_choice import vllm_is_cpu_build
 from tests.gpu.engine import cuda_engine_args
 
 path, prompts_file, out_file, max_new = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 engine_overrides = json.loads(sys.argv[5])
 graphs = engine_overrides.pop("graphs", False)
 sequential = engine_overrides.pop("sequential", False)  # one request after another (prefix-cache hits)
+early_import = engine_overrides.pop("import_upstream_first", False)  # what the fifth H200 run did
 result = {"notes": []}
 try:
-    if not vllm_is_cpu_build():  # upstream cannot be imported on the CPU build (a dry run)
-        result["notes"] += [n for n in [disable_cute_dsl_hc_if_missing()] if n]
+    # Nothing from upstream is imported before LLM(): vLLM enables breakable CUDA graphs while it
+    # builds the config, and upstream modules imported earlier keep no graph breaks (the subclass
+    # refuses that; model/vllm_adapter/upstream_kernels.py). The subclass module also switches the
+    # CuTe-DSL HC kernel off where its packages are missing.
+    if early_import:
+        import vllm.models.qwen4_exp.nvidia.model  # noqa: F401
     from vllm import LLM, SamplingParams
 
     args = dict(dtype="bfloat16", max_model_len=4096, seed=0, enable_prefix_caching=False)
@@ -270,7 +273,8 @@ def test_upstream_refuses_prefix_caching_with_cuda_graphs(tmp_path):
     """Measured wrong on the H200 (2026-12-01): with prefix caching and breakable graphs all three
     requests of :func:`prefix_prompts` were continued from token 4,080, their suffixes ignored (on
     the cache miss too), where a cold engine with graphs and the eager cached engine continued after
-    the suffix. Until that is found, the subclass refuses the combination at start-up."""
+    the suffix. That child had imported upstream before ``LLM()``, so its graph breaks were missing
+    (the likely cause, refused on its own now); the combination stays refused until shown right."""
     path = ensure_checkpoint("qsa512")
     got = run_upstream(
         tmp_path,
@@ -281,6 +285,17 @@ def test_upstream_refuses_prefix_caching_with_cuda_graphs(tmp_path):
     assert "prefix caching together with CUDA graphs" in got.get("error", ""), (
         got.get("error") or got["log_tail"]
     )
+
+
+def test_upstream_refuses_graphs_without_their_breaks(tmp_path):
+    """The likely cause of the prefix-caching failure above: upstream imported before ``LLM()``
+    keeps no graph breaks, which the subclass now refuses at start-up, naming the functions."""
+    path, prompts = qsa512_prompts()
+    got = run_upstream(
+        tmp_path, path, {"short": prompts["short"]}, engine={"graphs": True, "import_upstream_first": True}
+    )
+    assert "imported before it enabled them" in got.get("error", ""), got.get("error") or got["log_tail"]
+    assert "qwen_gdn_attention_core" in got["error"]
 
 
 # Quantized weights and our PLE table formats through upstream, each against its bf16 twin holding

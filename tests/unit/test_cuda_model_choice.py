@@ -259,11 +259,12 @@ def test_ple_storage_must_match_upstreams_engram_config():
 
 
 def test_prefix_caching_with_cuda_graphs_is_refused():
-    """Measured wrong on the H200 (the prompt's tail after the last full block was ignored)."""
+    """Measured wrong on the H200 (the prompt's tail after the last full block was ignored), most
+    likely by missing graph breaks; refused until a GPU run shows it right."""
     assert problems(prefix_caching=True) == []  # eager
     assert problems(cuda_graphs=True) == []
     (found,) = problems(prefix_caching=True, cuda_graphs=True)
-    assert found.startswith("prefix caching together with CUDA graphs")
+    assert found.startswith("prefix caching together with CUDA graphs is not verified")
     assert "QWEN4EXP_ENFORCE_EAGER=true" in found and "QWEN4EXP_PREFIX_CACHING=false" in found
     assert found.endswith(choice.USE_OURS)
 
@@ -284,4 +285,4 @@ def test_cuda_graphs_fact_from_the_vllm_config(eager, mode, graphs):
         model_config=SimpleNamespace(enforce_eager=eager),
         compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode]),
     )
-    assert choice._captures_cuda_graphs(config) is graphs
+    assert choice.captures_cuda_graphs(config) is graphs

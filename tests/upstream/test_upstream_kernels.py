@@ -57,3 +57,59 @@ def test_a_renamed_flag_is_refused(restore, monkeypatch):
     monkeypatch.setattr(K.inspect, "getsource", lambda obj: "def __init__(self): pass")
     with pytest.raises(RuntimeError, match="no longer sets _use_hc_down_silu"):
         K.disable_cute_dsl_hc_if_missing(missing=["cutlass"])
+
+
+# ---- graph breaks ---------------------------------------------------------------------------------
+
+
+def _resolve(module: str, qualname: str):
+    import importlib
+
+    owner = importlib.import_module(module)
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+@pytest.fixture
+def breaks(monkeypatch):
+    """Set each of upstream's break-point functions to a plain or a wrapped stand-in."""
+    import functools
+
+    import vllm.compilation.breakable_cudagraph as B
+
+    for module, _ in K.GRAPH_BREAKS:
+        import_upstream(module)
+
+    def use(enabled: bool, wrapped: set[str]) -> None:
+        monkeypatch.setattr(B, "is_breakable_cudagraph_enabled", lambda: enabled)
+        for module, qualname in K.GRAPH_BREAKS:
+            owner, name = _resolve(module, qualname)
+
+            def plain(*args, **kwargs):
+                return None
+
+            stand_in = functools.wraps(plain)(lambda *a, **k: None) if qualname in wrapped else plain
+            monkeypatch.setattr(owner, name, stand_in)
+
+    return use
+
+
+def test_every_break_point_upstream_names_exists():
+    for module, qualname in K.GRAPH_BREAKS:
+        owner, name = _resolve(module, qualname)
+        assert callable(getattr(owner, name)), (module, qualname)
+
+
+def test_missing_graph_breaks_are_found_and_refused(breaks):
+    names = {q for _, q in K.GRAPH_BREAKS}
+    breaks(enabled=False, wrapped=set())
+    assert K.missing_graph_breaks() == []  # no breakable graphs: nothing to miss
+    breaks(enabled=True, wrapped=names)
+    assert K.missing_graph_breaks() == []
+    K.refuse_missing_graph_breaks()
+    breaks(enabled=True, wrapped=names - {"Qwen4ExpQSAAttention._run_qsa"})
+    assert K.missing_graph_breaks() == ["vllm.models.qwen4_exp.nvidia.qsa.Qwen4ExpQSAAttention._run_qsa"]
+    with pytest.raises(ValueError, match=r"imported before it enabled them.*_run_qsa.*--enforce-eager"):
+        K.refuse_missing_graph_breaks()

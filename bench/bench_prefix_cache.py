@@ -14,9 +14,10 @@ Runs on vLLM's CPU build (eager, bf16) and on CUDA (``--cuda-graphs`` to leave g
 ``--upstream`` (CUDA) serves vLLM's own Qwen4-Exp through our subclass (``QWEN4EXP_CUDA_MODEL=upstream``,
 Model Runner V2, the engine core in this process, as ``bench/bench_ours_vs_upstream.py`` runs it);
 it needs a checkpoint upstream takes, e.g. ``qsa512``. Upstream runs eager here: with CUDA graphs
-our subclass refuses prefix caching, because on the H200 that combination ignored the prompt's tail
-after its last full cache block (``model/cuda_model_choice.py``); the 4.2x measured with graphs on
-2026-12-01 timed that wrong path and is void.
+our subclass refuses prefix caching until a GPU run shows it right: on the H200 that combination
+ignored the prompt's tail after its last full cache block, most likely because this bench imported
+upstream before ``LLM()`` and so lost its graph breaks (``model/vllm_adapter/upstream_kernels.py``);
+the 4.2x measured with graphs on 2026-12-01 timed that wrong path and is void.
 """
 
 from __future__ import annotations

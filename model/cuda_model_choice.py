@@ -216,6 +216,12 @@ def resolve(choice: str, *, cpu_build: bool) -> str:
     return choice
 
 
+def chosen(env: Mapping[str, str] | None = None) -> str:
+    """The implementation this process builds: ``QWEN4EXP_CUDA_MODEL`` (``env``, default the
+    environment) resolved for the installed vLLM build; ``envs.EnvError`` if it is malformed."""
+    return resolve(envs.cuda_model(env), cpu_build=vllm_is_cpu_build())
+
+
 def registration_targets(choice: str, *, cpu_build: bool) -> dict[str, str]:
     """The ``module:Class`` vLLM registers for each architecture name.
 

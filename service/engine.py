@@ -96,7 +96,7 @@ def upstream_ple_storage_args(device: str) -> list[str]:
     if device != "cuda":
         return []
     try:
-        choice = cuda_model_choice.resolve(envs.cuda_model(), cpu_build=cuda_model_choice.vllm_is_cpu_build())
+        choice = cuda_model_choice.chosen()
         mode = envs.ple_storage_mode()
     except envs.EnvError:
         return []
@@ -213,13 +213,11 @@ def default_model_runner() -> None:
     ``VLLM_USE_V2_MODEL_RUNNER``: upstream's model needs V2 (its PLE inputs come from V2's model
     state), ours runs on V1 (under V2 it fails at start-up on the PLE conv state). Set before vLLM
     builds its config; the engine core and workers inherit it. vLLM's CPU build needs no setting."""
-    from model import cuda_model_choice, envs
+    from model import cuda_model_choice
 
-    cpu_build = cuda_model_choice.vllm_is_cpu_build()
-    if cpu_build or os.environ.get(cuda_model_choice.V2_RUNNER, "").strip():
+    if cuda_model_choice.vllm_is_cpu_build() or os.environ.get(cuda_model_choice.V2_RUNNER, "").strip():
         return
-    choice = cuda_model_choice.resolve(envs.cuda_model(), cpu_build=cpu_build)
-    os.environ[cuda_model_choice.V2_RUNNER] = "1" if choice == "upstream" else "0"
+    os.environ[cuda_model_choice.V2_RUNNER] = "1" if cuda_model_choice.chosen() == "upstream" else "0"
 
 
 def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namespace]:

@@ -26,7 +26,7 @@ from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.launcher import NoSignalServer
 from vllm.version import __version__ as vllm_version
 
-from model import envs
+from model import cuda_model_choice, envs
 
 from . import http_metrics
 from .app import build_app
@@ -94,14 +94,6 @@ def engine_death_reason() -> str:
     return reason or "no reason recorded; the engine core's traceback above has it"
 
 
-def model_impl() -> str:
-    """Which Qwen4-Exp implementation the engine builds (``QWEN4EXP_CUDA_MODEL`` resolved for this
-    vLLM build), for ``qwen4exp_service_info``; the start-up checks already refused a bad value."""
-    from model import cuda_model_choice
-
-    return cuda_model_choice.resolve(envs.cuda_model(), cpu_build=cuda_model_choice.vllm_is_cpu_build())
-
-
 async def serve(settings: ServiceSettings, sock: socket.socket) -> int:
     device, vllm_config, args = configure_engine(settings)
     # The engine core (a child process, which inherits this) writes its fatal reason here.
@@ -111,7 +103,12 @@ async def serve(settings: ServiceSettings, sock: socket.socket) -> int:
     lifecycle = Lifecycle()
     app, asgi = build_app(settings, args, lifecycle, device)
     http_metrics.SERVICE_INFO.labels(
-        settings.model_name, device, str(settings.tensor_parallel_size), vllm_version, model_impl()
+        # model_impl: configure_engine above already refused a malformed QWEN4EXP_CUDA_MODEL.
+        settings.model_name,
+        device,
+        str(settings.tensor_parallel_size),
+        vllm_version,
+        cuda_model_choice.chosen(),
     ).set(1)
     config = uvicorn.Config(
         asgi,

@@ -125,6 +125,46 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=65536,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
     ),
+    # The real Qwen4-Exp's per-token compute (transformers' config defaults: hidden 2048, 40 layers of
+    # which every 4th is QSA, 16/2 heads of 256, GDN 16/32 heads of 128, top-10 experts of width 512
+    # plus a shared one, low-rank 320 hyper-connections) with the qsa512 indexer, but 16 experts
+    # instead of 512 and a small vocabulary and PLE vocabulary: ~4B parameters (~8 GB bf16), ~3.3B active,
+    # and can be generated on the GPU machine in a minute. For timing only (random weights,
+    # ``--train-steps 0 --device cuda``): a prefill of the real model's cost, which ``qsa512``
+    # (hidden 256, 8 layers) is too small to show.
+    "real-compute": dict(
+        vocab_size=512,
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=16,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        hc_count=4,
+        hc_lowrank=320,
+        ple_layer_ids=[1, 2],
+        ple_embed_dim=2048,
+        ngram_size=3,
+        heads_per_ngram=8,
+        ngram_vocab_size_base=1000,
+        make_ngram_vocab_size_divisible_by=8,
+        split_ngram_parts=4,
+        indexer_n_heads=16,
+        indexer_kv_heads=1,
+        indexer_head_dim=128,
+        indexer_budget=2048,
+        indexer_compress_ratio=4,
+        output_gate_type="silu",
+        max_position_embeddings=65536,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
+    ),
 }
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -184,11 +224,11 @@ def _randomize(model: torch.nn.Module, generator: torch.Generator) -> None:
         for name, param in model.named_parameters():
             if name.endswith("A_log") or name.endswith("dt_bias"):
                 continue
+            noise = torch.randn(param.shape, generator=generator, device=generator.device)
             if param.ndim == 1:
-                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+                param.copy_(0.2 * noise)
             else:
-                fan_in = param.shape[-1]
-                param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
+                param.copy_(noise / param.shape[-1] ** 0.5)
 
 
 def _dense_indexer_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values):
@@ -234,8 +274,16 @@ def train_briefly(model, tokenizer, steps: int, seq_len: int, seed: int) -> list
 MAX_TRAIN_SEQ_LEN = 128
 
 
-def make_checkpoint(preset: str, out: str | Path, seed: int = 0, train_steps: int = 80) -> Path:
+def make_checkpoint(
+    preset: str, out: str | Path, seed: int = 0, train_steps: int = 80, device: str = "cpu"
+) -> Path:
+    """Build, optionally train, and save ``preset``. ``device`` only decides where the random
+    weights are drawn (a GPU makes a multi-billion-parameter timing checkpoint in seconds); the
+    same seed gives other weights on another device, and training runs on the CPU only."""
     from transformers import GenerationConfig, Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    if train_steps and device != "cpu":
+        raise ValueError(f"--train-steps {train_steps} with --device {device}: training runs on the CPU only")
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -249,8 +297,9 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, train_steps: in
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen4ExpForCausalLM(config)
-    _randomize(model, torch.Generator().manual_seed(seed))
+    with torch.device(device):
+        model = Qwen4ExpForCausalLM(config)
+    _randomize(model, torch.Generator(device=device).manual_seed(seed))
     if train_steps:
         from transformers import AutoTokenizer
 
@@ -268,7 +317,7 @@ def make_checkpoint(preset: str, out: str | Path, seed: int = 0, train_steps: in
     )
     model.save_pretrained(out)
     (out / "PRESET").write_text(
-        json.dumps({"preset": preset, "seed": seed, "train_steps": train_steps}) + "\n"
+        json.dumps({"preset": preset, "seed": seed, "train_steps": train_steps, "device": device}) + "\n"
     )
     return out
 
@@ -279,8 +328,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-steps", type=int, default=80)
+    parser.add_argument("--device", default="cpu", help="where random weights are drawn (0 train steps)")
     args = parser.parse_args()
-    print(make_checkpoint(args.preset, args.out, args.seed, args.train_steps))
+    print(make_checkpoint(args.preset, args.out, args.seed, args.train_steps, args.device))
 
 
 if __name__ == "__main__":

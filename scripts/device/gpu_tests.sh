@@ -33,8 +33,8 @@ want marlin && stream marlin 6-7,12-15 "${MARLIN_S:-720}" tests/gpu/test_quant_m
   -k "quantized or ple_table"; } &
 want prefix && stream prefix 5 "${PREFIX_S:-420}" tests/gpu/test_prefix_cache_cuda.py &
 # vLLM's own Qwen4-Exp through our subclass (its children set Model Runner V2 themselves).
-want upstream && stream upstream 0-2 "${UPSTREAM_S:-900}" tests/gpu/test_upstream_cuda.py tests/upstream \
-  -k "not quantized and not ple_table" &
+want upstream && stream upstream "${UPSTREAM_CORES:-0-2}" "${UPSTREAM_S:-900}" tests/gpu/test_upstream_cuda.py tests/upstream \
+  -k "${UPSTREAM_K:-not quantized and not ple_table}" &
 wait
 mkdir -p "$out/pytest-tmp"
 find /tmp/pytest-of-* -name "*.log" -size -4M -exec cp --backup=numbered {} "$out/pytest-tmp/" \; 2>/dev/null

@@ -4,7 +4,8 @@
 # others): engine parity (eager + chunked), the service on CUDA, quantized pairs through Marlin,
 # and (named in STREAMS) the service's CUDA default (upstream) on qsa512, the kernel judges +
 # batched QSA selection, prefix caching on CUDA, and upstream (vLLM's own Qwen4-Exp with our FP8 subclass, plus tests/upstream on the CUDA build).
-# Logs and a summary go to $1. STREAMS picks the streams (default "parity service marlin").
+# Logs and a summary go to $1. STREAMS picks the streams (default "parity service marlin");
+# PARITY_K/PARITY_CORES, MARLIN_K, UPSTREAM_K/UPSTREAM_CORES and *_S (limits) narrow or move one.
 set -uo pipefail
 out=${1:?log dir}; mkdir -p "$out"
 cd "$(dirname "$0")/../.."
@@ -19,7 +20,7 @@ stream() {  # name cores limit_s pytest-args...
 }
 : > "$out/summary.txt"
 want() { [[ " ${STREAMS:-parity service marlin} " == *" $1 "* ]]; }
-want parity && stream parity 0-2 "${PARITY_S:-600}" tests/gpu/test_engine_parity.py -k "${PARITY_K:-eager}" &
+want parity && stream parity "${PARITY_CORES:-0-2}" "${PARITY_S:-600}" tests/gpu/test_engine_parity.py -k "${PARITY_K:-eager}" &
 want service && stream service 3-5 "${SERVICE_S:-600}" tests/gpu/test_service_cuda.py &
 # the product's CUDA default (upstream through our subclass, V2 chosen by the service) on qsa512.
 want service_upstream && stream service_upstream 8-11 "${SERVICE_UPSTREAM_S:-900}" tests/gpu/test_service_upstream_cuda.py &

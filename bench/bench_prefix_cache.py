@@ -13,11 +13,10 @@ printed so a run without a hit cannot pass for a fast one.
 Runs on vLLM's CPU build (eager, bf16) and on CUDA (``--cuda-graphs`` to leave graphs on).
 ``--upstream`` (CUDA) serves vLLM's own Qwen4-Exp through our subclass (``QWEN4EXP_CUDA_MODEL=upstream``,
 Model Runner V2, the engine core in this process, as ``bench/bench_ours_vs_upstream.py`` runs it);
-it needs a checkpoint upstream takes, e.g. ``qsa512``. Upstream runs eager here: with CUDA graphs
-our subclass refuses prefix caching until a GPU run shows it right: on the H200 that combination
-ignored the prompt's tail after its last full cache block, most likely because this bench imported
-upstream before ``LLM()`` and so lost its graph breaks (``model/vllm_adapter/upstream_kernels.py``);
-the 4.2x measured with graphs on 2026-12-01 timed that wrong path and is void.
+it needs a checkpoint upstream takes, e.g. ``qsa512``. Nothing from upstream is imported before
+``LLM()``: an earlier version did, lost upstream's graph breaks and timed a wrong path with graphs
+(every suffix ignored; its 4.2x of 2026-12-01 is void); the subclass now refuses that state
+(``model/vllm_adapter/upstream_kernels.py``).
 """
 
 from __future__ import annotations
@@ -98,10 +97,6 @@ def main() -> None:
     parser.add_argument("--gpu-mem", type=float, default=0.5, help="gpu_memory_utilization (CUDA)")
     parser.add_argument("--upstream", action="store_true", help="QWEN4EXP_CUDA_MODEL=upstream (CUDA)")
     args = parser.parse_args()
-    if args.upstream and args.cuda_graphs:
-        parser.error(
-            "--upstream --cuda-graphs: upstream refuses prefix caching with CUDA graphs (see the docstring)"
-        )
     if args.upstream:
         os.environ.update(
             QWEN4EXP_CUDA_MODEL="upstream", VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"

@@ -74,8 +74,6 @@ def problems_for_upstream(
     quantization: str | None = None,
     indexer_kv_dtype: str | None = None,
     ple_cpu_offload: bool | None = None,
-    prefix_caching: bool = False,
-    cuda_graphs: bool = False,
 ) -> list[str]:
     """Every reason vLLM's own CUDA Qwen4-Exp cannot serve this deployment (empty: it can).
 
@@ -85,8 +83,7 @@ def problems_for_upstream(
     vLLM's ``cache_config.cache_dtype``; ``v2_runner``: vLLM picked Model Runner V2;
     ``quantization``: vLLM's resolved method (e.g. ``awq_marlin``), besides config.json's;
     ``indexer_kv_dtype``: vLLM's ``attention_config.indexer_kv_dtype``; ``ple_cpu_offload``: vLLM's
-    ``engram_config.cpu_offload``, where upstream keeps its PLE tables (None: no engram config);
-    ``prefix_caching`` / ``cuda_graphs``: vLLM will cache prompt prefixes / capture CUDA graphs.
+    ``engram_config.cpu_offload``, where upstream keeps its PLE tables (None: no engram config).
     The FP8 main cache and the ``VLLM_QSA_KV_*`` features are not problems: our subclass carries them
     (``model.vllm_adapter.upstream_qsa``).
     Each problem names the variable or field and its fix; all are reported at once.
@@ -171,16 +168,6 @@ def problems_for_upstream(
                 f"'{{\"cpu_offload\": {str(wanted == 'pinned').lower()}}}' (the service does this itself), "
                 f"or set {envs.PLE_CPU_OFFLOAD} to match"
             )
-    if prefix_caching and cuda_graphs:
-        problems.append(
-            "prefix caching together with CUDA graphs is not verified: on the H200 (2026-12-01) that "
-            "run ignored each prompt's tokens after its last full cache block, in a harness that had "
-            "imported upstream before vLLM enabled breakable graphs (the likely cause, now refused "
-            "by itself: model/vllm_adapter/upstream_kernels.py); eager with prefix caching continued "
-            "correctly; until a GPU run shows the combination right, fix: QWEN4EXP_ENFORCE_EAGER=true "
-            "(--enforce-eager), or prefix caching off (QWEN4EXP_PREFIX_CACHING=false, "
-            f"--no-enable-prefix-caching), or {USE_OURS}"
-        )
     # Every format ours reads, upstream reads through our subclass (upstream_ple serves
     # ple_format.FORMATS); only a malformed declaration is a problem.
     try:
@@ -305,7 +292,5 @@ def upstream_problems(
             getattr(getattr(vllm_config, "attention_config", None), "indexer_kv_dtype", "auto")
         ),
         ple_cpu_offload=getattr(getattr(vllm_config, "engram_config", None), "cpu_offload", None),
-        prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False)),
-        cuda_graphs=captures_cuda_graphs(vllm_config),
     )
     return problems

@@ -92,8 +92,8 @@ class ServiceSettings(BaseSettings):
     prefix_caching: bool | None = Field(
         None,
         description="Reuse the cache of a repeated prompt prefix (vLLM prefix caching, hybrid `align` "
-        "mode); unset: on with vLLM's CPU build (token parity tested), off on CUDA. On CUDA the default "
-        "(upstream) refuses it with CUDA graphs (wrong tokens measured); with QWEN4EXP_ENFORCE_EAGER=true it runs.",
+        "mode); unset: on (cache hits give a cold engine's tokens: tested on vLLM's CPU build and on CUDA, "
+        "eager and with CUDA graphs). false saves the per-block GDN/PLE states it keeps.",
     )
     host: str = Field(
         "0.0.0.0", min_length=1, description="Address to listen on (`scripts/serve.sh` uses 127.0.0.1)."

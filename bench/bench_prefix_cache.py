@@ -22,6 +22,7 @@ it needs a checkpoint upstream takes, e.g. ``qsa512``. Nothing from upstream is 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import random
@@ -49,6 +50,26 @@ def ttft(llm, ids: list[int]) -> tuple[float, int, float]:
         else float("nan")
     )
     return wall, out.num_cached_tokens or 0, engine
+
+
+def profiled(path: str, call):
+    """``call()`` under the torch profiler (CPU and, where there is one, CUDA activity); the op
+    tables sorted by device time and by host time go to ``path``. Why a cache hit costs what it
+    costs: the engine core must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        result = call()
+    averages = prof.key_averages()
+    device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    with open(path, "w") as out:
+        out.write(f"one cache-hit request: wall {result[0]:.4f} s, engine {result[2]:.4f} s\n\n")
+        out.write("by device time\n" + averages.table(sort_by=device_key, row_limit=40) + "\n\n")
+        out.write("by host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+    print(f"profile of the cache-hit request written to {path}")
+    return result
 
 
 def run(
@@ -86,7 +107,10 @@ def run(
         # a long cached context) are compiled before they are timed too.
         ttft(llm, warmup)
         ttft(llm, warmup[: -args.suffix_len] + warmup[: args.suffix_len])
-        return [ttft(llm, ids) for ids in prompts]
+        first = ttft(llm, prompts[0])
+        if args.profile and prefix_caching:
+            return [first, profiled(args.profile, functools.partial(ttft, llm, prompts[1]))]
+        return [first, ttft(llm, prompts[1])]
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -102,7 +126,10 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true", help="do not pass enforce_eager (CUDA)")
     parser.add_argument("--gpu-mem", type=float, default=0.5, help="gpu_memory_utilization (CUDA)")
     parser.add_argument("--upstream", action="store_true", help="QWEN4EXP_CUDA_MODEL=upstream (CUDA)")
+    parser.add_argument("--profile", metavar="FILE", help="torch-profile the cache hit, op tables to FILE")
     args = parser.parse_args()
+    if args.profile:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     if args.upstream:
         os.environ.update(
             QWEN4EXP_CUDA_MODEL="upstream", VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"

@@ -4,7 +4,8 @@
 #   ovu:              bench_ours_vs_upstream.py, ours-loop (issue 13's baseline) vs served, qsa512
 #   prefix-rc:        bench_prefix_cache.py on /tmp/rc (start_all.sh draws it), upstream, graphs
 #   prefix-qsa512:    the same on qsa512
-# EAGER=1 leaves graphs off for the prefix benches.
+# EAGER=1 leaves graphs off for the prefix benches; PROFILE=1 torch-profiles the cache hit into
+# /tmp/logs/prefix-hit-profile.txt (op tables by device and host time).
 set -u
 cd /tmp/proj
 export PYTHONPATH=/tmp/proj:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
@@ -13,7 +14,8 @@ case $1 in
   prefix-rc|prefix-qsa512)
     model=/tmp/rc; [ "$1" = prefix-qsa512 ] && model=/tmp/proj/checkpoints/qsa512
     setsid nohup timeout 570 python3 bench/bench_prefix_cache.py --model "$model" --upstream $graphs \
-      --gpu-mem 0.5 > "/tmp/logs/$1${EAGER:+-eager}.log" 2>&1 < /dev/null & ;;
+      --gpu-mem 0.5 ${PROFILE:+--profile /tmp/logs/prefix-hit-profile.txt} \
+      > "/tmp/logs/$1${EAGER:+-eager}.log" 2>&1 < /dev/null & ;;
   ovu)
     setsid nohup timeout 590 python3 bench/bench_ours_vs_upstream.py --model /tmp/proj/checkpoints/qsa512 \
       --out /tmp/logs/ovu --impls ours-loop,served --parity-lens 4096 --ttft 8192 --batches 1,16,64 \

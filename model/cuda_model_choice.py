@@ -38,6 +38,24 @@ UPSTREAM_KV_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 # reads the QSA *main* cache's E4M3 codes itself, on any GPU; upstream's optional FP8 *indexer* cache
 # multiplies FP8 by FP8 in Triton, which needs native FP8, so it is refused below this.
 FP8_MIN_CAPABILITY = (8, 9)
+# Upstream's indexer prefill kernel (Q/nvidia/ops/qsa_indexer.py, _prefill_logits, bf16 indexer cache)
+# keeps 64 query rows x every index head (padded to a power of two) x the index head dim in shared
+# memory, plus ~24 KiB of key tiles. Compiled for sm_86 (bench/sm86_kernel_resources.py, Triton 3.9):
+# 4 heads of 128 need 90,112 bytes, 8 need 155,648, 16 need 286,720; a 3090 allows 101,376 per block.
+# The H200 refused 16 heads at 303,104 bytes. The index heads are replicated, not split by TP.
+INDEXER_PREFILL_ROWS = 64
+INDEXER_PREFILL_KEY_TILES_BYTES = 24576
+
+
+def indexer_prefill_shared_bytes(heads: int, head_dim: int) -> int:
+    """Shared memory upstream's bf16 indexer prefill kernel needs per block, never above what it
+    needs (exact on sm_86 from 4 heads of 128 up, 8-16 KiB under for fewer heads or on sm_90), so a
+    refusal from it is always right."""
+    padded_heads = 1 << max(0, int(heads) - 1).bit_length()
+    padded_dim = max(16, 1 << max(0, int(head_dim) - 1).bit_length())
+    return INDEXER_PREFILL_ROWS * padded_heads * padded_dim * 2 + INDEXER_PREFILL_KEY_TILES_BYTES
+
+
 # vLLM's GDN layer accepts these; null makes it fail an assertion (transformers reads null as hidden_act).
 OUTPUT_GATE_TYPES = ("silu", "swish", "sigmoid")
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
@@ -74,6 +92,7 @@ def problems_for_upstream(
     quantization: str | None = None,
     indexer_kv_dtype: str | None = None,
     ple_cpu_offload: bool | None = None,
+    shared_memory_per_block: int | None = None,
 ) -> list[str]:
     """Every reason vLLM's own CUDA Qwen4-Exp cannot serve this deployment (empty: it can).
 
@@ -83,7 +102,8 @@ def problems_for_upstream(
     vLLM's ``cache_config.cache_dtype``; ``v2_runner``: vLLM picked Model Runner V2;
     ``quantization``: vLLM's resolved method (e.g. ``awq_marlin``), besides config.json's;
     ``indexer_kv_dtype``: vLLM's ``attention_config.indexer_kv_dtype``; ``ple_cpu_offload``: vLLM's
-    ``engram_config.cpu_offload``, where upstream keeps its PLE tables (None: no engram config).
+    ``engram_config.cpu_offload``, where upstream keeps its PLE tables (None: no engram config);
+    ``shared_memory_per_block``: the GPU's opt-in shared memory per block in bytes (None: unknown).
     The FP8 main cache and the ``VLLM_QSA_KV_*`` features are not problems: our subclass carries them
     (``model.vllm_adapter.upstream_qsa``).
     Each problem names the variable or field and its fix; all are reported at once.
@@ -132,6 +152,18 @@ def problems_for_upstream(
                 f"top-k of {got}; upstream's top-k kernels take only k = "
                 f"{', '.join(map(str, UPSTREAM_TOPK_BLOCKS))}; fix: {USE_OURS}"
             )
+        heads, head_dim = text.get("indexer_n_heads"), text.get("indexer_head_dim")
+        indexer_fp8 = (indexer_kv_dtype or "auto").strip().lower() == "fp8"
+        if shared_memory_per_block and heads and head_dim and not indexer_fp8:
+            need = indexer_prefill_shared_bytes(int(heads), int(head_dim))
+            if need > shared_memory_per_block:
+                problems.append(
+                    f"config.json indexer_n_heads={heads} x indexer_head_dim={head_dim}: upstream's QSA "
+                    f"indexer prefill kernel needs at least {need:,} bytes of shared memory per block "
+                    f"(64 query rows x {heads} heads x {head_dim} dims in bf16), this GPU allows "
+                    f"{shared_memory_per_block:,} (an RTX 3090: 101,376; fits up to 4 heads of 128); "
+                    f"fix: {USE_OURS}"
+                )
     dtype = (kv_cache_dtype or "auto").strip().lower()
     if dtype not in UPSTREAM_KV_DTYPES:
         problems.append(
@@ -241,6 +273,17 @@ def _capability(platform: Any) -> tuple[int, int] | None:
     return None if cap is None else (int(cap.major), int(cap.minor))
 
 
+def _shared_memory_per_block() -> int | None:
+    """The current GPU's opt-in shared memory per block (what a Triton kernel may ask for)."""
+    try:
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return int(props.shared_memory_per_block_optin)
+    except Exception:  # noqa: BLE001 - unknown: no refusal from it; Triton still refuses at launch
+        return None
+
+
 def refuse_unless_upstream_can_serve(
     vllm_config: Any, *, cpu_build: bool = False, env: Mapping[str, str] | None = None
 ) -> None:
@@ -292,5 +335,6 @@ def upstream_problems(
             getattr(getattr(vllm_config, "attention_config", None), "indexer_kv_dtype", "auto")
         ),
         ple_cpu_offload=getattr(getattr(vllm_config, "engram_config", None), "cpu_offload", None),
+        shared_memory_per_block=_shared_memory_per_block() if cuda else None,
     )
     return problems

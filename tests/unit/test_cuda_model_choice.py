@@ -258,6 +258,43 @@ def test_ple_storage_must_match_upstreams_engram_config():
     assert problems(PLE_CONFIG, off, ple_cpu_offload=None) == []
 
 
+# Shared memory of upstream's bf16 indexer prefill kernel per block, compiled for sm_86 and sm_90
+# with the launcher's tile (bench/results/sm86_kernel_resources.md, Triton 3.9), and the H200's
+# launch refusal (303,104 bytes required, sixth H200 run).
+COMPILED_SM86 = {1: 49152, 2: 65536, 4: 90112, 8: 155648, 16: 286720}
+COMPILED_SM90 = {1: 57344, 2: 73728, 4: 106496, 8: 172032, 16: 303104}
+RTX_3090, H200 = 101376, 232448
+
+
+@pytest.mark.parametrize("heads", sorted(COMPILED_SM86))
+def test_indexer_prefill_estimate_never_exceeds_the_compiled_kernel(heads):
+    """Never above the compiled size (a refusal is always right), exact on sm_86 from 4 heads up,
+    and on the same side of both cards' limits as the compiled kernel."""
+    estimate = choice.indexer_prefill_shared_bytes(heads, 128)
+    assert estimate <= COMPILED_SM86[heads] <= COMPILED_SM90[heads]
+    if heads >= 4:
+        assert estimate == COMPILED_SM86[heads]
+    assert (estimate > RTX_3090) is (COMPILED_SM86[heads] > RTX_3090)
+    assert (estimate > H200) is (COMPILED_SM90[heads] > H200)
+
+
+def test_index_heads_beyond_the_gpus_shared_memory_are_refused():
+    config = {**CLEAN_CONFIG, "indexer_n_heads": 4, "indexer_head_dim": 128}
+    assert problems(config, capability=(8, 6), shared_memory_per_block=RTX_3090) == []
+    assert problems({**config, "indexer_n_heads": 16}, shared_memory_per_block=None) == []  # unknown GPU
+    assert problems({**config, "indexer_n_heads": 8}, shared_memory_per_block=H200) == []
+    (found,) = problems({**config, "indexer_n_heads": 8}, capability=(8, 6), shared_memory_per_block=RTX_3090)
+    assert found.startswith("config.json indexer_n_heads=8 x indexer_head_dim=128: upstream's QSA indexer")
+    assert "155,648 bytes" in found and "this GPU allows 101,376" in found and found.endswith(choice.USE_OURS)
+    (found,) = problems({**config, "indexer_n_heads": 16}, shared_memory_per_block=H200)
+    assert "286,720 bytes" in found
+    # An FP8 indexer cache takes another tile (32 rows; fits 16 heads on the H200); not this check.
+    assert (
+        problems({**config, "indexer_n_heads": 16}, indexer_kv_dtype="fp8", shared_memory_per_block=H200)
+        == []
+    )
+
+
 @pytest.mark.parametrize(
     ("eager", "mode", "graphs"),
     [

@@ -125,15 +125,19 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=65536,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
     ),
-    # The real Qwen4-Exp's per-token compute (transformers' config defaults: hidden 2048, 40 layers of
-    # which every 4th is QSA, 16/2 heads of 256, GDN 16/32 heads of 128, top-10 experts of width 512
-    # plus a shared one, low-rank 320 hyper-connections) with the qsa512 indexer, but 16 experts
-    # instead of 512 and a small vocabulary and PLE vocabulary: ~4B parameters (~8 GB bf16), ~3.3B active,
-    # and can be generated on the GPU machine in a minute. For timing only (random weights,
-    # ``--train-steps 0 --device cuda``): a prefill of the real model's cost, which ``qsa512``
-    # (hidden 256, 8 layers) is too small to show.
-    "real-compute": dict(
-        vocab_size=512,
+}
+
+# The real Qwen4-Exp's per-token compute (transformers' config defaults: hidden 2048, 40 layers of
+# which every 4th is QSA, 16/2 heads of 256, GDN 16/32 heads of 128, top-10 experts of width 512 plus
+# a shared one, low-rank 320 hyper-connections) on qsa512's indexer, vocabulary and PLE vocabulary,
+# with 16 experts instead of 512: ~4B parameters (~8 GB bf16), ~3.3B active. For timing only (random
+# weights, ``--train-steps 0 --device cuda`` draws them on a GPU in a minute): a prefill that costs
+# what the real model's does, which qsa512 (hidden 256, 8 layers) is too small to show. 4 index heads
+# as in qsa512: with 16, upstream's indexer prefill kernel needs 296 KiB of shared memory and does not
+# launch even on an H200 (model.cuda_model_choice.indexer_prefill_shared_bytes).
+PRESETS["real-compute"] = {
+    **PRESETS["qsa512"],
+    **dict(
         hidden_size=2048,
         num_hidden_layers=40,
         num_attention_heads=16,
@@ -141,31 +145,13 @@ PRESETS: dict[str, dict] = {
         head_dim=256,
         linear_num_key_heads=16,
         linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
         num_experts=16,
         num_experts_per_tok=10,
         moe_intermediate_size=512,
         shared_expert_intermediate_size=512,
-        hc_count=4,
         hc_lowrank=320,
-        ple_layer_ids=[1, 2],
         ple_embed_dim=2048,
-        ngram_size=3,
         heads_per_ngram=8,
-        ngram_vocab_size_base=1000,
-        make_ngram_vocab_size_divisible_by=8,
-        split_ngram_parts=4,
-        # 4 index heads as in qsa512: with 16, upstream's indexer prefill kernel (tiles of 64 queries
-        # x all heads x 128 dims) needs 296 KiB of shared memory and does not launch even on an H200.
-        indexer_n_heads=4,
-        indexer_kv_heads=1,
-        indexer_head_dim=128,
-        indexer_budget=2048,
-        indexer_compress_ratio=4,
-        output_gate_type="silu",
-        max_position_embeddings=65536,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5},
     ),
 }
 

@@ -49,21 +49,6 @@ def resolve_device(settings: ServiceSettings) -> str:
     return device
 
 
-def prefix_caching(settings: ServiceSettings) -> bool:
-    """Whether the engine caches prompt prefixes: ``QWEN4EXP_PREFIX_CACHING``, else on (vLLM's own
-    default for a model that supports it).
-
-    With prefix caching vLLM runs the hybrid cache in its ``align`` Mamba mode (GDN and PLE states
-    saved per block, QSA pages hashed like any attention cache). Cache hits give the tokens of a
-    cold engine: ``tests/prefix_cache`` on vLLM's CPU build (ours, vs transformers too), and on CUDA
-    ``tests/gpu/test_prefix_cache_cuda.py`` (ours) and ``test_upstream_cuda.py`` (upstream through
-    our subclass, eager and with CUDA graphs).
-    """
-    if settings.prefix_caching is not None:
-        return settings.prefix_caching
-    return True
-
-
 def cli_args(settings: ServiceSettings, device: str) -> list[str]:
     """The ``vllm serve`` flags equivalent to our settings."""
     argv = [
@@ -73,7 +58,8 @@ def cli_args(settings: ServiceSettings, device: str) -> list[str]:
         "--dtype", settings.dtype,
         "--kv-cache-dtype", settings.kv_cache_dtype,
         "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
-        "--enable-prefix-caching" if prefix_caching(settings) else "--no-enable-prefix-caching",
+        # Hybrid align mode (GDN and PLE states saved per block, QSA pages hashed like any attention cache).
+        "--enable-prefix-caching" if settings.prefix_caching else "--no-enable-prefix-caching",
     ]  # fmt: skip
     if settings.max_model_len is not None:
         argv += ["--max-model-len", str(settings.max_model_len)]

@@ -38,7 +38,7 @@ FIXES: dict[str, str] = {
     "gpu_memory_utilization": "use a fraction in (0, 1], e.g. 0.9",
     "enforce_eager": "use true or false",
     "max_num_seqs": "use a positive integer, or leave it unset for vLLM's default",
-    "prefix_caching": "use true or false, or leave it unset (on with vLLM's CPU build, off on CUDA)",
+    "prefix_caching": "use true or false",
     "host": "use an address to bind, e.g. 0.0.0.0 or 127.0.0.1",
     "port": "use an integer port in 1..65535",
     "api_keys": "use a comma-separated list of keys without whitespace",
@@ -89,11 +89,11 @@ class ServiceSettings(BaseSettings):
     max_num_seqs: int | None = Field(
         None, ge=1, description="Engine batch size (sequences per step); default: vLLM's."
     )
-    prefix_caching: bool | None = Field(
-        None,
+    prefix_caching: bool = Field(
+        True,
         description="Reuse the cache of a repeated prompt prefix (vLLM prefix caching, hybrid `align` "
-        "mode); unset: on (cache hits give a cold engine's tokens: tested on vLLM's CPU build and on CUDA, "
-        "eager and with CUDA graphs). false saves the per-block GDN/PLE states it keeps.",
+        "mode; vLLM's own default). Cache hits give a cold engine's tokens: tested on vLLM's CPU build "
+        "and on CUDA, eager and with CUDA graphs. false saves the per-block GDN/PLE states it keeps.",
     )
     host: str = Field(
         "0.0.0.0", min_length=1, description="Address to listen on (`scripts/serve.sh` uses 127.0.0.1)."

@@ -47,6 +47,12 @@ INDEXER_PREFILL_ROWS = 64
 INDEXER_PREFILL_KEY_TILES_BYTES = 24576
 
 
+# vLLM's GDN layer accepts these; null makes it fail an assertion (transformers reads null as hidden_act).
+OUTPUT_GATE_TYPES = ("silu", "swish", "sigmoid")
+V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+USE_OURS = f"set {envs.CUDA_MODEL}=ours"
+
+
 def indexer_prefill_shared_bytes(heads: int, head_dim: int) -> int:
     """Shared memory upstream's bf16 indexer prefill kernel needs per block, never above what it
     needs (exact on sm_86 from 4 heads of 128 up, 8-16 KiB under for fewer heads or on sm_90), so a
@@ -54,12 +60,6 @@ def indexer_prefill_shared_bytes(heads: int, head_dim: int) -> int:
     padded_heads = 1 << max(0, int(heads) - 1).bit_length()
     padded_dim = max(16, 1 << max(0, int(head_dim) - 1).bit_length())
     return INDEXER_PREFILL_ROWS * padded_heads * padded_dim * 2 + INDEXER_PREFILL_KEY_TILES_BYTES
-
-
-# vLLM's GDN layer accepts these; null makes it fail an assertion (transformers reads null as hidden_act).
-OUTPUT_GATE_TYPES = ("silu", "swish", "sigmoid")
-V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
-USE_OURS = f"set {envs.CUDA_MODEL}=ours"
 
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -160,7 +160,7 @@ def problems_for_upstream(
                 problems.append(
                     f"config.json indexer_n_heads={heads} x indexer_head_dim={head_dim}: upstream's QSA "
                     f"indexer prefill kernel needs at least {need:,} bytes of shared memory per block "
-                    f"(64 query rows x {heads} heads x {head_dim} dims in bf16), this GPU allows "
+                    f"({INDEXER_PREFILL_ROWS} query rows x {heads} heads x {head_dim} dims in bf16), this GPU allows "
                     f"{shared_memory_per_block:,} (an RTX 3090: 101,376; fits up to 4 heads of 128); "
                     f"fix: {USE_OURS}"
                 )

@@ -32,3 +32,32 @@ def test_qsa512_selects_512_blocks_and_loads(tmp_path):
     assert model.config.indexer_head_dim == 128
     size = sum(f.stat().st_size for f in out.iterdir())
     assert size < 60 * 2**20, size
+
+
+def test_real_compute_preset_is_served_by_upstream_on_both_cards():
+    """``real-compute`` (GPU timing only, ~4B parameters, never saved here): upstream must take it on
+    an H200 and an RTX 3090 (top-k 512, output gate written out, index heads within the 3090's shared
+    memory), with the real config's per-token shapes."""
+    import torch
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    from model.cuda_model_choice import problems_for_upstream
+
+    spec = PRESETS["real-compute"]
+    written = {**spec, "eos_token_id": 2}  # make_checkpoint writes the tokenizer's EOS id
+    for capability, shared in (((9, 0), 232448), ((8, 6), 101376)):
+        facts = dict(cuda=True, capability=capability, kv_cache_dtype="auto", v2_runner=True)
+        assert problems_for_upstream(written, {}, shared_memory_per_block=shared, **facts) == []
+    config = Qwen4ExpTextConfig(**spec, eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    assert config.layer_types.count("indexed_attention") == 10
+    with torch.device("meta"):
+        model = Qwen4ExpForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    assert 3.5e9 < params < 4.5e9, params
+
+
+def test_weights_drawn_off_the_cpu_are_never_trained(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="training runs on the CPU only"):
+        make_checkpoint("tiny", tmp_path / "t", train_steps=5, device="cuda")

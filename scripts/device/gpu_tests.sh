@@ -5,7 +5,7 @@
 # and (named in STREAMS) the service's CUDA default (upstream) on qsa512, the kernel judges +
 # batched QSA selection, prefix caching on CUDA, and upstream (vLLM's own Qwen4-Exp with our FP8 subclass, plus tests/upstream on the CUDA build).
 # Logs and a summary go to $1. STREAMS picks the streams (default "parity service marlin");
-# PARITY_K/PARITY_CORES, MARLIN_K, UPSTREAM_K/UPSTREAM_CORES and *_S (limits) narrow or move one.
+# PARITY_K/PARITY_CORES, MARLIN_K, KERNELS_TESTS, UPSTREAM_K/UPSTREAM_CORES and *_S (limits) narrow or move one.
 set -uo pipefail
 out=${1:?log dir}; mkdir -p "$out"
 cd "$(dirname "$0")/../.."
@@ -27,8 +27,10 @@ want service_upstream && stream service_upstream 8-11 "${SERVICE_UPSTREAM_S:-900
 # marlin: the 3090's kernels on the H200 (the test sets them); tiny-w4a16 = experts, experts-g32 (the
 # control for vLLM's Marlin-MoE scale-permutation bug) and all; ~110 s a pair.
 want marlin && stream marlin 6-7,12-15 "${MARLIN_S:-720}" tests/gpu/test_quant_marlin.py -k "${MARLIN_K:-tiny-w4a16 or qsa512-fp8 or refuses_tiny or wide-w4a16-all}" &
-{ want kernels && stream kernels 3-4 "${KERNELS_S:-300}" tests/gpu/test_ple_gather.py tests/gpu/test_qsa_clip.py \
-  tests/gpu/test_qsa_kernel.py tests/unit/test_qsa_batched_selection.py
+kernel_tests="tests/gpu/test_ple_gather.py tests/gpu/test_qsa_clip.py tests/gpu/test_qsa_kernel.py
+  tests/gpu/test_gdn_short_prefill.py tests/unit/test_qsa_batched_selection.py"
+# shellcheck disable=SC2086  # KERNELS_TESTS: a space-separated list of test files
+{ want kernels && stream kernels 3-4 "${KERNELS_S:-300}" ${KERNELS_TESTS:-$kernel_tests}
   # then, on the same cores: quantized weights and our PLE formats through upstream.
   want upstream_quant && stream upstream_quant 3-4 "${UPSTREAM_QUANT_S:-900}" tests/gpu/test_upstream_cuda.py \
   -k "quantized or ple_table"; } &

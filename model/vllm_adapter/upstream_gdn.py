@@ -1,0 +1,129 @@
+"""Short GDN prefills in one recurrent kernel launch, on the Triton path an RTX 3090 takes.
+
+Why: with ``gdn_prefill_backend=triton`` (the only GDN prefill an sm_86 card has) upstream runs every
+prefill of its Gated DeltaNet layers through FLA's chunked algorithm, about eight Triton launches a
+layer whatever the length. A prefix-cache hit computes only the few tokens after the cached block
+boundary (48 with the ``real-compute`` preset's 272-token blocks), and there those launches are the
+cost: the torch profile of such a hit on the H200 (seventh session, 2026-12-02, 30 GDN layers) spent
+15 ms of its 45 ms host time in ``ChunkGatedDeltaRuleFunction`` against 0.9 ms of GPU time, and the
+hit cost as much as a cold request of the same 48 tokens: the step's fixed cost, not the cache,
+decided the prefix-cache speedup.
+
+Below one FLA chunk (64 tokens in the whole prefill batch) the chunked algorithm works on a single
+chunk anyway, so such batches go to FLA's fused recurrent kernel instead: one launch, the same
+recurrence (state decayed by ``exp(g)``, delta-rule update with ``beta``, output ``h @ q * scale``)
+stepped token by token in fp32, reading and writing vLLM's state slots exactly as the chunked call
+does (the caller still gathers the initial states and stores the final ones). Longer prefills, and
+upstream's start-up warm-up (exactly one chunk, so the chunked kernels are autotuned before the KV
+cache takes the memory), keep the chunked path.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_PATCHED = "_qwen4exp_short_prefill_recurrent"
+
+
+def short_prefill_limit() -> int:
+    """Largest prefill batch (tokens) that takes the recurrent kernel: one FLA chunk less one."""
+    from vllm.third_party.flash_linear_attention.ops.utils import FLA_CHUNK_SIZE
+
+    return FLA_CHUNK_SIZE - 1
+
+
+def recurrent_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked prefill's result from FLA's fused recurrent kernel: ``(o, final_state)``.
+
+    Shapes as upstream passes them to its chunked call: ``q, k`` ``[1, T, H, K]`` (already
+    L2-normalised), ``v`` ``[1, T, HV, V]``, ``g`` (log decay) and ``beta`` ``[1, T, HV]``,
+    ``initial_state`` ``[N, HV, V, K]`` (zeros where a sequence has no state yet), ``cu_seqlens``
+    ``[N + 1]``. Returns ``o`` ``[1, T, HV, V]`` in ``q``'s dtype and the ``[N, HV, V, K]`` final
+    states in ``initial_state``'s dtype. No host synchronisation: every size comes from shapes.
+    """
+    from vllm.third_party.flash_linear_attention.ops.fused_recurrent import fused_recurrent_gated_delta_rule
+
+    num_seqs, num_tokens = cu_seqlens.shape[0] - 1, q.shape[1]
+    # The kernel reads and updates states in place through a slot table, one slot per (sequence,
+    # token) since it was written for speculative decoding; every token of a sequence names the
+    # sequence's slot. Slot 0 means vLLM's null block there (skipped), hence one spare leading row.
+    states = torch.cat([initial_state.new_zeros((1, *initial_state.shape[1:])), initial_state])
+    slots = torch.arange(1, num_seqs + 1, device=q.device, dtype=torch.int32)
+    slots = slots[:, None].expand(num_seqs, num_tokens).contiguous()
+    o, states = fused_recurrent_gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state=states,
+        inplace_final_state=True,
+        cu_seqlens=cu_seqlens,
+        ssm_state_indices=slots,
+        use_qk_l2norm_in_kernel=False,
+    )
+    return o, states[1:]
+
+
+def install() -> bool:
+    """Route upstream's short Triton-path GDN prefills to :func:`recurrent_prefill`; idempotent.
+
+    Patches ``ChunkGatedDeltaRule.forward_native`` (the method its constructor binds for the Triton
+    backend), so it must run before the model is built. Returns whether it patched now. Fails closed
+    if upstream's method no longer has the parameters this relies on."""
+    import inspect
+
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import ChunkGatedDeltaRule
+
+    cls = ChunkGatedDeltaRule
+    if getattr(cls, _PATCHED, False):
+        return False
+    original = cls.forward_native
+    expected = ["q", "k", "v", "g", "beta", "initial_state", "output_final_state", "cu_seqlens"]
+    if list(inspect.signature(original).parameters)[1:9] != expected:
+        raise RuntimeError(
+            "vLLM's ChunkGatedDeltaRule.forward_native changed its parameters; re-check "
+            "model/vllm_adapter/upstream_gdn.py against vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
+        )
+    limit = short_prefill_limit()
+    warmed = False
+
+    def forward_native(
+        self, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens=None, *args, **kwargs
+    ):
+        nonlocal warmed
+        use_l2norm = kwargs.get("use_qk_l2norm_in_kernel", args[2] if len(args) > 2 else True)
+        core_attn_out = kwargs.get("core_attn_out", args[3] if len(args) > 3 else None)
+        fits = q.shape[0] == 1 and cu_seqlens is not None and output_final_state and not use_l2norm
+        if fits and q.shape[1] <= limit:
+            o, final_state = recurrent_prefill(q, k, v, g, beta, initial_state, cu_seqlens)
+            if core_attn_out is not None:  # the chunked call's optional output buffer
+                core_attn_out.reshape(-1)[: o.numel()].copy_(o.reshape(-1))
+            return o, final_state
+        if fits and not warmed:  # upstream's warm-up (one chunk): compile the recurrent kernel too
+            warmed = True
+            head = torch.tensor([0, 8], device=q.device, dtype=torch.int32)
+            recurrent_prefill(q[:, :8], k[:, :8], v[:, :8], g[:, :8], beta[:, :8], initial_state[:1], head)
+        return original(
+            self, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, *args, **kwargs
+        )
+
+    cls.forward_native = forward_native
+    setattr(cls, _PATCHED, True)
+    logger.info(
+        "GDN prefills of up to %d tokens run FLA's fused recurrent kernel (model/vllm_adapter/upstream_gdn.py)",
+        limit,
+    )
+    return True

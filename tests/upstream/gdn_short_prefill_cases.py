@@ -1,0 +1,139 @@
+"""Cases for ``model.vllm_adapter.upstream_gdn``: a plain-torch gated delta rule and the batches the
+short-prefill path meets, shared by the CPU test (FLA's recurrent kernel under Triton's interpreter,
+in a child process: this file's ``__main__``) and the GPU judge (recurrent vs FLA's chunked kernel).
+
+Run as ``python -m tests.upstream.gdn_short_prefill_cases``: prints one JSON line of findings.
+vLLM's CPU build hands FLA a placeholder ``triton`` (its wheel has no CPU backend), so the child puts
+the real ``triton`` (interpreted) behind ``vllm.triton_utils`` before FLA is imported, and gives FLA's
+kernel an ``exp`` the interpreter can resolve (FLA binds ``tl.exp`` to a module global at import,
+which the interpreter does not patch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import types
+
+import torch
+
+
+def reference(q, k, v, g, beta, initial_state, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence token by token in fp32: ``h <- h * exp(g)``, ``h <- h + beta (v - h k) k^T``,
+    ``o = h q / sqrt(K)``; query/key head ``i`` serves value heads ``i * HV/H ...``."""
+    num_tokens, heads, dim_k = q.shape[1:]
+    value_heads, dim_v = v.shape[2:]
+    out = torch.zeros(1, num_tokens, value_heads, dim_v, dtype=torch.float32, device=q.device)
+    finals = []
+    bounds = cu_seqlens.tolist()
+    for n in range(len(bounds) - 1):
+        h = initial_state[n].float().clone()
+        for t in range(bounds[n], bounds[n + 1]):
+            for hv in range(value_heads):
+                hk = hv // (value_heads // heads)
+                qt, kt = q[0, t, hk].float(), k[0, t, hk].float()
+                h[hv] *= torch.exp(g[0, t, hv].float())
+                delta = (v[0, t, hv].float() - h[hv] @ kt) * beta[0, t, hv].float()
+                h[hv] += torch.outer(delta, kt)
+                out[0, t, hv] = h[hv] @ qt * dim_k**-0.5
+        finals.append(h)
+    return out, torch.stack(finals)
+
+
+def batch(lengths: list[int], device, dtype=torch.float32, heads=2, value_heads=4, dim=16, seed=0):
+    """Inputs as upstream hands them to its chunked call: L2-normalised q/k, log-sigmoid decays,
+    sigmoid betas, and initial states that are zero for a sequence without state (the first one
+    with more than one token gets zeros, as a fresh request would)."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q = torch.nn.functional.normalize(rand(1, total, heads, dim), dim=-1)
+    k = torch.nn.functional.normalize(rand(1, total, heads, dim), dim=-1)
+    v = rand(1, total, value_heads, dim)
+    g = torch.nn.functional.logsigmoid(rand(1, total, value_heads) + 2)
+    beta = torch.sigmoid(rand(1, total, value_heads))
+    state = rand(len(lengths), value_heads, dim, dim) * 0.1
+    state[0] = 0
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    tensors = [q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype)]
+    return [t.to(device) for t in tensors] + [state.to(device), cu.to(device)]
+
+
+# (name, sequence lengths): one request's hit tail, a 1-token prefill, mixed batches, the limit.
+CASES = [("hit_tail", [48]), ("one_token", [1]), ("mixed", [5, 1, 9]), ("limit", [40, 23])]
+
+
+def _interpreted_fla():
+    """FLA's recurrent kernel module with the real Triton, interpreted (see the module docstring).
+    vLLM itself is imported first with its own ``triton_utils``; only FLA's modules are re-imported
+    behind the shim, which is then taken away again."""
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported
+    import triton
+    import triton.language as tl
+    import triton.language.extra.libdevice as tldevice
+    import vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn  # noqa: F401
+
+    fla = "vllm.third_party.flash_linear_attention.ops"
+    for name in [m for m in sys.modules if m.startswith(fla + ".")]:
+        del sys.modules[name]
+    shim = types.ModuleType("vllm.triton_utils")
+    shim.triton, shim.tl, shim.tldevice, shim.HAS_TRITON = triton, tl, tldevice, True
+    shim.LOG2E, shim.LOGE2 = 1.4426950408889634, 0.6931471805599453
+    real = sys.modules["vllm.triton_utils"]
+    sys.modules["vllm.triton_utils"] = shim
+    try:
+        import vllm.third_party.flash_linear_attention.ops.fused_recurrent as fused_recurrent
+    finally:
+        sys.modules["vllm.triton_utils"] = real
+    fused_recurrent.exp = lambda x: tl.exp(x)
+    return fused_recurrent
+
+
+def _child() -> dict:
+    _interpreted_fla()
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import ChunkGatedDeltaRule
+
+    from model.vllm_adapter import upstream_gdn
+
+    found: dict = {"cases": {}}
+    for name, lengths in CASES:
+        q, k, v, g, beta, state, cu = batch(lengths, "cpu")
+        before = state.clone()
+        o, final = upstream_gdn.recurrent_prefill(q, k, v, g, beta, state, cu)
+        o_ref, final_ref = reference(q, k, v, g, beta, state, cu)
+        found["cases"][name] = {
+            "out_err": (o.float() - o_ref).abs().max().item(),
+            "state_err": (final.float() - final_ref).abs().max().item(),
+            "shapes": [list(o.shape), list(final.shape)],
+            "initial_untouched": bool(torch.equal(state, before)),
+        }
+    found["installed"] = upstream_gdn.install()
+    found["installed_again"] = upstream_gdn.install()
+    # Through the patched method, as upstream's layer calls it (positional, then keywords).
+    q, k, v, g, beta, state, cu = batch([30, 12], "cpu")
+    o, final = ChunkGatedDeltaRule.forward_native(
+        None, q, k, v, g, beta, state, True, cu, None, None, use_qk_l2norm_in_kernel=False
+    )
+    o_ref, final_ref = reference(q, k, v, g, beta, state, cu)
+    found["patched_short_err"] = max((o - o_ref).abs().max().item(), (final - final_ref).abs().max().item())
+    # One FLA chunk or more keeps the chunked kernel, which cannot run on this CPU: where it failed says
+    # which path the call took.
+    q, k, v, g, beta, state, cu = batch([64], "cpu", dtype=torch.bfloat16)
+    try:
+        ChunkGatedDeltaRule.forward_native(
+            None, q, k, v, g, beta, state, True, cu, use_qk_l2norm_in_kernel=False
+        )
+        found["long_path"] = "ran"
+    except Exception:
+        frames = traceback.extract_tb(sys.exc_info()[2])
+        found["long_path"] = [os.path.basename(f.filename) for f in frames]
+    return found
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child()))

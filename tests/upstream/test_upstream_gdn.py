@@ -1,0 +1,55 @@
+"""``model.vllm_adapter.upstream_gdn`` on the CPU: FLA's recurrent kernel (Triton, interpreted) gives
+the plain-torch gated delta rule for the batches a prefix-cache hit sends, and the patched
+``ChunkGatedDeltaRule`` sends only batches shorter than one FLA chunk there.
+
+The kernel runs in a child process (``tests/upstream/gdn_short_prefill_cases.py``): it must import
+FLA with an interpreted Triton, which a pytest process that already imported vLLM cannot do. The GPU
+judge against FLA's chunked kernel is ``tests/gpu/test_gdn_short_prefill.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def found() -> dict:
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.upstream.gdn_short_prefill_cases"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["hit_tail", "one_token", "mixed", "limit"])
+def test_recurrent_prefill_is_the_gated_delta_rule(found, case):
+    result = found["cases"][case]
+    print(case, result)
+    assert result["out_err"] < 1e-5 and result["state_err"] < 1e-5, result
+    assert result["initial_untouched"], "the caller's gathered states must not be written"
+
+
+def test_shapes_are_the_chunked_calls(found):
+    o_shape, state_shape = found["cases"]["mixed"]["shapes"]
+    assert o_shape == [1, 15, 4, 16] and state_shape == [3, 4, 16, 16]
+
+
+def test_install_routes_short_batches_and_is_idempotent(found):
+    assert found["installed"] is True and found["installed_again"] is False
+    assert found["patched_short_err"] < 1e-5
+
+
+def test_a_full_chunk_keeps_the_chunked_kernel(found):
+    frames = found["long_path"]
+    assert frames != "ran", "the chunked kernel cannot run on a CPU: the call should have failed inside it"
+    assert "chunk.py" in frames and "fused_recurrent.py" not in frames[frames.index("chunk.py") :], frames

@@ -4,7 +4,7 @@ Why: with ``gdn_prefill_backend=triton`` (the only GDN prefill an sm_86 card has
 prefill of its Gated DeltaNet layers through FLA's chunked algorithm, about eight Triton launches a
 layer whatever the length. A prefix-cache hit computes only the few tokens after the cached block
 boundary (48 with the ``real-compute`` preset's 272-token blocks), and there those launches are the
-cost: the torch profile of such a hit on the H200 (seventh session, 2026-12-02, 30 GDN layers) spent
+cost: the torch profile of such a hit on the H200 (eighth session, 2026-12-02, 30 GDN layers) spent
 15 ms of its 45 ms host time in ``ChunkGatedDeltaRuleFunction`` against 0.9 ms of GPU time, and the
 hit cost as much as a cold request of the same 48 tokens: the step's fixed cost, not the cache,
 decided the prefix-cache speedup.

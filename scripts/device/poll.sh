@@ -14,7 +14,7 @@ for f in /tmp/logs/*/*.log; do
   echo "== $f"
   grep -E "PASSED|FAILED|problem|differs|token-identical|cached tokens per" "$f" | tail -12 | cut -c1-300
 done
-for f in /tmp/logs/prefix*.log; do [ -f "$f" ] && { echo "== $f"; grep -E "^\||prefix caching:|first tokens|Error" "$f" | tail -9; }; done
+for f in /tmp/logs/prefix*.log; do [ -f "$f" ] && { echo "== $f"; grep -E "^\||prefix caching:|first tokens|caching on \(|Error" "$f" | tail -9; }; done
 [ -f /tmp/logs/ovu/bench_ours_vs_upstream.md ] && head -12 /tmp/logs/ovu/bench_ours_vs_upstream.md | cut -c1-600
 cd /tmp && tar -czf "$OUT/logs.tgz" --exclude='*.safetensors' logs 2>/dev/null
 [ "$(stat -c %s "$OUT/logs.tgz")" -gt 15000000 ] && { rm "$OUT/logs.tgz"; tar -czf "$OUT/logs-small.tgz" --exclude=pytest-tmp logs; }

@@ -159,6 +159,7 @@ FAULT_INJECT_TOKEN = "QWEN4EXP_FAULT_INJECT_TOKEN"
 FAULT_INJECT_FATAL_TOKEN = "QWEN4EXP_FAULT_INJECT_FATAL_TOKEN"
 QSA_SELECTION = "QWEN4EXP_QSA_SELECTION"
 CUDA_MODEL = "QWEN4EXP_CUDA_MODEL"
+GDN_SHORT_PREFILL = "QWEN4EXP_GDN_SHORT_PREFILL"
 
 DEFAULT_COLLECT_INTERVAL_S = 30.0
 
@@ -259,6 +260,18 @@ VARIABLES: tuple[EnvVar, ...] = (
         "model on CUDA too (V1 runner, no CUDA graphs; any checkpoint shape). The service sets "
         "`VLLM_USE_V2_MODEL_RUNNER` to match on CUDA unless you set it.",
         "use auto, ours or upstream, or unset it (auto)",
+    ),
+    EnvVar(
+        GDN_SHORT_PREFILL,
+        parse_flag,
+        False,
+        "`0`",
+        "`1`: with upstream on CUDA and Triton GDN prefill (the RTX 3090's path), GDN prefills shorter "
+        "than one FLA chunk (63 tokens, e.g. what a prefix-cache hit leaves to compute) run FLA's "
+        "fused recurrent kernel, one launch a layer instead of about eight "
+        "(`model/vllm_adapter/upstream_gdn.py`). Off until a GPU run shows its parity and speed; "
+        "tested on the CPU under Triton's interpreter only.",
+        "use 1 or 0 (true/false, yes/no, on/off), or unset it (0)",
     ),
     EnvVar(
         ENGINE_FATAL_FILE,

@@ -4,6 +4,7 @@
 #   ovu:              bench_ours_vs_upstream.py, ours-loop (issue 13's baseline) vs served, qsa512
 #   prefix-rc:        bench_prefix_cache.py on /tmp/rc (start_all.sh draws it), upstream, graphs
 #   prefix-rc-16:     the same with graphs only up to 16 tokens (the bench before --capture-max), no control
+#   prefix-rc-gdn:    the same with QWEN4EXP_GDN_SHORT_PREFILL=1 (one recurrent GDN launch for short prefills), no control
 #   prefix-qsa512:    the same on qsa512
 # EAGER=1 leaves graphs off for the prefix benches; PROFILE=1 torch-profiles a cache hit into
 # /tmp/logs/prefix-hit-profile.txt (op tables by device and host time).
@@ -13,12 +14,13 @@ export PYTHONPATH=/tmp/proj:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFF
 graphs=--cuda-graphs; [ -n "${EAGER:-}" ] && graphs=
 one() {
   case $1 in
-    prefix-rc|prefix-rc-16|prefix-qsa512)
-      local model=/tmp/rc more=()
+    prefix-rc|prefix-rc-16|prefix-rc-gdn|prefix-qsa512)
+      local model=/tmp/rc more=() gdn=0
       [ "$1" = prefix-qsa512 ] && model=/tmp/proj/checkpoints/qsa512
       [ "$1" = prefix-rc-16 ] && more=(--capture-max 16 --no-control)
+      [ "$1" = prefix-rc-gdn ] && more=(--no-control) && gdn=1
       [ -n "${PROFILE:-}" ] && [ "$1" != prefix-rc-16 ] && more+=(--profile "/tmp/logs/$1-hit-profile.txt")
-      timeout 570 python3 bench/bench_prefix_cache.py --model "$model" --upstream $graphs --gpu-mem 0.5 \
+      QWEN4EXP_GDN_SHORT_PREFILL=$gdn timeout 570 python3 bench/bench_prefix_cache.py --model "$model" --upstream $graphs --gpu-mem 0.5 \
         "${more[@]}" > "/tmp/logs/$1${EAGER:+-eager}.log" 2>&1 ;;
     ovu)
       timeout 590 python3 bench/bench_ours_vs_upstream.py --model /tmp/proj/checkpoints/qsa512 \

@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# On the lent GPU machine: wait up to $1 s (or until no stream or bench is left), print each
+# On the lent GPU machine: wait up to $1 s (or until no stream or bench is left; keep it well under
+# the call's limit), print new findings as they come, then each
 # stream's summary and verdict lines and the benches' tables, and tar /tmp/logs into $OUT (one
 # call's files come back; the machine and its logs go after 30 s without a call).
 set -u
 end=$((SECONDS + ${1:-60}))
+# Findings are echoed as they appear: a call cut by its limit (which shrinks to the session's remaining
+# device time) still returns what it printed, but never the summary at the end (eighth session).
+seen=/tmp/logs/.poll-seen; touch "$seen"
+news() {
+  grep -hE "^(marlin|parity|service|kernels|prefix|upstream)[a-z_]* rc=|caching on \(|prefix caching:|PASSED|FAILED" \
+    /tmp/logs/*/summary.txt /tmp/logs/*.log /tmp/logs/*/*.log 2>/dev/null | cut -c1-300 | sort -u > "$seen.now"
+  comm -13 "$seen" "$seen.now"; mv "$seen.now" "$seen"
+}
 while [ $SECONDS -lt $end ]; do
+  news
   pgrep -f "[g]pu_tests.sh" >/dev/null || pgrep -f "[b]ench" >/dev/null || break
   sleep 5
 done

@@ -74,6 +74,21 @@ def parallel_ranks() -> dict[str, int]:
     return ranks
 
 
+def _logging_open() -> bool:
+    """Whether every stream handler this module's records reach is still open. The final dump runs
+    at interpreter exit, after a host such as pytest may have closed the stream it gave logging;
+    a record sent there prints a "Logging error" traceback instead of the line (the dump itself is
+    written either way)."""
+    current: logging.Logger | None = logger
+    while current is not None:
+        for handler in current.handlers:
+            stream = getattr(handler, "stream", None)
+            if stream is not None and getattr(stream, "closed", False):
+                return False
+        current = current.parent if current.propagate else None
+    return True
+
+
 class LayerKVState(Protocol):
     """What the runtime reads from a QSA layer's KV state (``model.qsa_kv.state.QSAKVState``).
 
@@ -366,10 +381,11 @@ class QSAKVRuntime:
         self._stop.set()
         try:
             path = self.dump_calibration(final=True)
-            if path is not None:
+            if path is not None and _logging_open():
                 logger.info("QSA KV calibration: final absmax dump written to %s", path)
         except Exception:
-            logger.exception("QSA KV calibration: final dump failed")
+            if _logging_open():
+                logger.exception("QSA KV calibration: final dump failed")
 
     # ---- threads --------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ Runs on vLLM's CPU build (eager, bf16) and on CUDA (``--cuda-graphs`` to leave g
 the engine captures batch sizes up to ``--capture-max`` tokens (512, what the service gets with vLLM's
 default ``max_num_seqs``): vLLM's own ceiling is ``2 * max_num_seqs``, and this bench's 8 sequences
 would leave a hit's new tokens (48 with ``real-compute``'s 272-token blocks) outside every graph; the
-seventh H200 session timed that (2.0x) before this option existed.
+sixth H200 run timed that (2.0x) before this option existed.
 ``--upstream`` (CUDA) serves vLLM's own Qwen4-Exp through our subclass (``QWEN4EXP_CUDA_MODEL=upstream``,
 Model Runner V2, the engine core in this process, as ``bench/bench_ours_vs_upstream.py`` runs it);
 it needs a checkpoint upstream takes, e.g. ``qsa512``. Nothing from upstream is imported before

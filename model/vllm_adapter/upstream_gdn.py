@@ -4,7 +4,7 @@ Why: with ``gdn_prefill_backend=triton`` (the only GDN prefill an sm_86 card has
 prefill of its Gated DeltaNet layers through FLA's chunked algorithm, about eight Triton launches a
 layer whatever the length. A prefix-cache hit computes only the few tokens after the cached block
 boundary (48 with the ``real-compute`` preset's 272-token blocks), and there those launches are the
-cost: the torch profile of such a hit on the H200 (eighth session, 2026-12-02, 30 GDN layers) spent
+cost: the torch profile of such a hit on the H200 (seventh H200 run, 2026-12-02, 30 GDN layers) spent
 15 ms of its 45 ms host time in ``ChunkGatedDeltaRuleFunction`` against 0.9 ms of GPU time, and the
 hit cost as much as a cold request of the same 48 tokens: the step's fixed cost, not the cache,
 decided the prefix-cache speedup.
@@ -91,22 +91,29 @@ def install() -> bool:
     if getattr(cls, _PATCHED, False):
         return False
     original = cls.forward_native
-    expected = ["q", "k", "v", "g", "beta", "initial_state", "output_final_state", "cu_seqlens"]
-    if list(inspect.signature(original).parameters)[1:9] != expected:
-        raise RuntimeError(
-            "vLLM's ChunkGatedDeltaRule.forward_native changed its parameters; re-check "
-            "model/vllm_adapter/upstream_gdn.py against vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
-        )
     limit = short_prefill_limit()
     warmed = False
 
     def forward_native(
-        self, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens=None, *args, **kwargs
+        self,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        output_final_state,
+        cu_seqlens=None,
+        chunk_indices=None,
+        chunk_offsets=None,
+        use_qk_l2norm_in_kernel=True,
+        core_attn_out=None,
+        aiter_prefill_metadata=None,
     ):
         nonlocal warmed
-        use_l2norm = kwargs.get("use_qk_l2norm_in_kernel", args[2] if len(args) > 2 else True)
-        core_attn_out = kwargs.get("core_attn_out", args[3] if len(args) > 3 else None)
-        fits = q.shape[0] == 1 and cu_seqlens is not None and output_final_state and not use_l2norm
+        fits = (
+            q.shape[0] == 1 and cu_seqlens is not None and output_final_state and not use_qk_l2norm_in_kernel
+        )
         if fits and q.shape[1] <= limit:
             o, final_state = recurrent_prefill(q, k, v, g, beta, initial_state, cu_seqlens)
             if core_attn_out is not None:  # the chunked call's optional output buffer
@@ -117,7 +124,16 @@ def install() -> bool:
             head = torch.tensor([0, 8], device=q.device, dtype=torch.int32)
             recurrent_prefill(q[:, :8], k[:, :8], v[:, :8], g[:, :8], beta[:, :8], initial_state[:1], head)
         return original(
-            self, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, *args, **kwargs
+            self, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, chunk_indices,
+            chunk_offsets, use_qk_l2norm_in_kernel, core_attn_out, aiter_prefill_metadata,
+        )  # fmt: skip
+
+    # The wrapper takes upstream's parameters by name and passes them on in order: refuse to patch
+    # a method whose parameters are no longer exactly these.
+    if inspect.signature(original).parameters.keys() != inspect.signature(forward_native).parameters.keys():
+        raise RuntimeError(
+            "vLLM's ChunkGatedDeltaRule.forward_native changed its parameters; re-check "
+            "model/vllm_adapter/upstream_gdn.py against vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
         )
 
     cls.forward_native = forward_native

@@ -6,7 +6,7 @@
 set -u
 end=$((SECONDS + ${1:-60}))
 # Findings are echoed as they appear: a call cut by its limit (which shrinks to the session's remaining
-# device time) still returns what it printed, but never the summary at the end (eighth session).
+# device time) still returns what it printed, but never the summary at the end (seventh H200 run).
 seen=/tmp/logs/.poll-seen; touch "$seen"
 news() {
   grep -hE "^(marlin|parity|service|kernels|prefix|upstream)[a-z_]* rc=|caching on \(|prefix caching:|PASSED|FAILED" \

@@ -53,3 +53,22 @@ def test_a_full_chunk_keeps_the_chunked_kernel(found):
     frames = found["long_path"]
     assert frames != "ran", "the chunked kernel cannot run on a CPU: the call should have failed inside it"
     assert "chunk.py" in frames and "fused_recurrent.py" not in frames[frames.index("chunk.py") :], frames
+
+
+def test_install_refuses_a_changed_upstream_signature(monkeypatch):
+    """The wrapper passes upstream's parameters on by position: a method with other parameters (here
+    one more) must stop the patch, not be called wrongly."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import ChunkGatedDeltaRule
+
+    from model.vllm_adapter import upstream_gdn
+
+    original = ChunkGatedDeltaRule.forward_native
+
+    def changed(self, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens=None, extra=None):
+        return original(self, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+
+    monkeypatch.setattr(ChunkGatedDeltaRule, "forward_native", changed)
+    monkeypatch.delattr(ChunkGatedDeltaRule, upstream_gdn._PATCHED, raising=False)
+    with pytest.raises(RuntimeError, match="forward_native changed its parameters"):
+        upstream_gdn.install()
+    assert ChunkGatedDeltaRule.forward_native is changed

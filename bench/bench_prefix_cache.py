@@ -32,6 +32,7 @@ import gc
 import math
 import os
 import random
+import statistics
 import time
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -92,9 +93,20 @@ def capture_sizes(largest: int) -> list[int]:
     return [1 << i for i in range(largest.bit_length()) if 1 << i <= largest]
 
 
+Sample = tuple[float, int, float, int]  # ttft(): wall s, cached tokens, engine s, first token
+Round = tuple[Sample, Sample, Sample]  # the cold request, the cache hit, the floor
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
 def run(
-    args, prompts: list[list[int]], warmup: list[int], fresh: list[int], prefix_caching: bool
-) -> list[tuple[float, int, float, int]]:
+    args, prompts: dict, warmup: list[int], fresh, prefix_caching: bool, gdn_modes: list[bool | None]
+) -> dict[bool | None, list[Round]]:
+    """Per GDN short-prefill mode (``None``: left as the engine has it), ``--rounds`` samples of
+    (cold request, cache hit, floor) from one engine; with several modes the rounds alternate
+    between them, so both paths meet the same host and the same engine state."""
     from vllm import LLM
     from vllm.platforms import current_platform
 
@@ -121,6 +133,7 @@ def run(
         disable_log_stats=False,  # per-request timestamps (RequestOutput.metrics)
         **extra,
     )
+    results: dict[bool | None, list[Round]] = {mode: [] for mode in gdn_modes}
     try:
         # Warm-up with a prompt of the same length but another prefix: kernels tuned and compiled
         # for long prefills (Triton autotuning on CUDA) cost the first such request ~3x its TTFT on an
@@ -129,20 +142,29 @@ def run(
         # a long cached context) are compiled before they are timed too.
         ttft(llm, warmup)
         ttft(llm, warmup[: -args.suffix_len] + warmup[: args.suffix_len])
-        first = ttft(llm, prompts[0])
-        second = ttft(llm, prompts[1])
-        # The floor: a cold request of the hit's new-token count (ids no other request began with).
-        # Twice, the second timed: the first may meet a shape nothing before had (CPU kernels pick
-        # their primitives per shape), which would make the floor look higher than it is.
-        # Without a hit (the control) there is no floor to compare with.
-        floor = (math.nan, 0, math.nan, -1)
-        if second[1]:
-            size = len(prompts[1]) - second[1]
-            ttft(llm, fresh[size : 2 * size])
-            floor = ttft(llm, fresh[:size])
-        if args.profile and prefix_caching:  # a third request with the shared prefix, under the profiler
-            profiled(args.profile, functools.partial(ttft, llm, prompts[2]))
-        return [first, second, floor]
+        for r in range(args.rounds):
+            for mode in gdn_modes:
+                if mode is not None:
+                    from model.vllm_adapter import upstream_gdn  # the engine core is in this process
+
+                    upstream_gdn.set_enabled(mode)
+                first_ids, second_ids, third_ids = prompts[r, mode]
+                first = ttft(llm, first_ids)
+                second = ttft(llm, second_ids)
+                # The floor: a cold request of the hit's new-token count (ids no request began with).
+                # Twice, the second timed: the first may meet a shape nothing before had (CPU kernels
+                # pick their primitives per shape), which would make the floor look higher than it is.
+                # Without a hit (the control) there is no floor to compare with.
+                floor = (math.nan, 0, math.nan, -1)
+                if second[1]:
+                    size = len(second_ids) - second[1]
+                    ttft(llm, fresh(size))
+                    floor = ttft(llm, fresh(size))
+                if args.profile and prefix_caching and r == 0 and mode == gdn_modes[0]:
+                    # a third request with the shared prefix, under the profiler
+                    profiled(args.profile, functools.partial(ttft, llm, third_ids))
+                results[mode].append((first, second, floor))
+        return results
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -154,6 +176,9 @@ def main() -> None:
     parser.add_argument("--model", default="checkpoints/tiny")
     parser.add_argument("--prefix-len", type=int, default=8192)
     parser.add_argument("--suffix-len", type=int, default=16)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="samples per row, each on a new prefix; medians shown"
+    )
     parser.add_argument("--no-control", action="store_true", help="skip the prefix-caching-off run")
     parser.add_argument("--cuda-graphs", action="store_true", help="do not pass enforce_eager (CUDA)")
     parser.add_argument(
@@ -161,14 +186,24 @@ def main() -> None:
     )
     parser.add_argument("--gpu-mem", type=float, default=0.5, help="gpu_memory_utilization (CUDA)")
     parser.add_argument("--upstream", action="store_true", help="QWEN4EXP_CUDA_MODEL=upstream (CUDA)")
+    parser.add_argument(
+        "--gdn-ab",
+        action="store_true",
+        help="with --upstream: alternate the rounds between the GDN short-prefill path on and off "
+        "(QWEN4EXP_GDN_SHORT_PREFILL, switched in the running engine), a row for each",
+    )
     parser.add_argument("--profile", metavar="FILE", help="torch-profile the cache hit, op tables to FILE")
     args = parser.parse_args()
+    if args.gdn_ab and not args.upstream:
+        parser.error("--gdn-ab times upstream's GDN prefill paths: it needs --upstream (CUDA)")
     if args.profile:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
     if args.upstream:
         os.environ.update(
             QWEN4EXP_CUDA_MODEL="upstream", VLLM_USE_V2_MODEL_RUNNER="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"
         )
+        if args.gdn_ab:  # installed, then switched per round
+            os.environ["QWEN4EXP_GDN_SHORT_PREFILL"] = "1"
         # Nothing from upstream is imported here: the subclass module does what it needs once vLLM has
         # built its config (see model/vllm_adapter/upstream_kernels.py for why the order matters).
     else:  # ours, also on CUDA (where the default would be upstream), on its V1 runner there
@@ -179,47 +214,78 @@ def main() -> None:
 
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
-    prefix = [rng.randrange(3, vocab) for _ in range(args.prefix_len)]
-    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(args.suffix_len)] for _ in range(3)]
 
-    warmup = [rng.randrange(3, vocab) for _ in range(args.prefix_len + args.suffix_len)]
-    fresh = [rng.randrange(3, vocab) for _ in range(args.prefix_len + args.suffix_len)]
-    results = {"on": run(args, prompts, warmup, fresh, True)}
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    gdn_modes: list[bool | None] = [True, False] if args.gdn_ab else [None]
+    prompts = {}  # a new prefix per (round, mode), three suffixes each
+    for r in range(args.rounds):
+        for mode in gdn_modes:
+            prefix = fresh(args.prefix_len)
+            prompts[r, mode] = [prefix + fresh(args.suffix_len) for _ in range(3)]
+    warmup = fresh(args.prefix_len + args.suffix_len)
+
+    on = run(args, prompts, warmup, fresh, True, gdn_modes)
+    rows = {("on", mode): rounds for mode, rounds in on.items()}
     # Printed at once: a device session that ends during the control keeps this row.
-    print(f"caching on (wall s, cached tokens, engine s, token): {results['on']}", flush=True)
+    for mode, rounds in on.items():
+        print(f"caching on{label(mode)} (wall s, cached tokens, engine s, token): {rounds}", flush=True)
     if not args.no_control:
-        results["off"] = run(args, prompts, warmup, fresh, False)
+        off = run(args, prompts, warmup, fresh, False, gdn_modes[:1])
+        rows[("off", gdn_modes[0])] = off[gdn_modes[0]]
 
     from vllm.platforms import current_platform
 
     print(
         f"\nmodel {args.model}, prompt {args.prefix_len} + {args.suffix_len} tokens, twice with a "
         f"different suffix, bf16, {current_platform.device_type} ({os.cpu_count()} cores), "
-        f"{'upstream' if args.upstream else 'ours'}, {'graphs' if args.cuda_graphs else 'eager'}\n"
+        f"{'upstream' if args.upstream else 'ours'}, {'graphs' if args.cuda_graphs else 'eager'}, "
+        f"{args.rounds} round(s) per row (medians; a new prefix each round)\n"
     )
     print(
         "| prefix caching | TTFT 1st (s) | TTFT 2nd (s) | cached tokens 2nd | 1st / 2nd "
         "| engine 1st (s) | engine 2nd (s) | engine 1st / 2nd | floor: engine, cold, 2nd's new tokens (s) |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for mode, ((t1, _, e1, _), (t2, cached, e2, _), (_, _, ef, _)) in results.items():
-        floor = f"{ef:.4f}" if cached else "-"  # without a hit the 2nd computed everything
+    summary = {}
+    for (caching, mode), rounds in rows.items():
+        firsts, seconds, floors = zip(*rounds, strict=True)
+        cached = min(s[1] for s in seconds)
+        ratio = median([f[0] / s[0] for f, s in zip(firsts, seconds, strict=True)])
+        engine_ratio = median([f[2] / s[2] for f, s in zip(firsts, seconds, strict=True)])
+        summary[caching, mode] = (ratio, engine_ratio, cached)
+        # Without a hit the 2nd computed everything: no floor to show.
+        floor = f"{median([f[2] for f in floors]):.4f}" if cached else "-"
         print(
-            f"| {mode} | {t1:.3f} | {t2:.3f} | {cached} | {t1 / t2:.1f}x | {e1:.4f} | {e2:.4f} | {e1 / e2:.1f}x "
-            f"| {floor} |"
+            f"| {caching}{label(mode)} | {median([f[0] for f in firsts]):.3f} | {median([s[0] for s in seconds]):.3f} "
+            f"| {cached} | {ratio:.1f}x | {median([f[2] for f in firsts]):.4f} | {median([s[2] for s in seconds]):.4f} "
+            f"| {engine_ratio:.1f}x | {floor} |"
         )
-    if "off" in results:  # greedy: a hit must give the cold engine's first token (up to a near-tie)
-        same = [results["on"][i][3] == results["off"][i][3] for i in range(2)]
+    if args.rounds > 1:
+        for (caching, mode), rounds in rows.items():
+            each = ", ".join(f"{f[0] / s[0]:.1f}x" for f, s, _ in rounds)
+            print(f"\nper round, caching {caching}{label(mode)}: {each}")
+    # Greedy: a hit must give the cold engine's first token (up to a near-tie).
+    if ("off", gdn_modes[0]) in rows:
+        cold, hit, _ = rows[("on", gdn_modes[0])][0]
+        cold_off, second_off, _ = rows[("off", gdn_modes[0])][0]
         print(
-            f"\nfirst tokens, caching on vs off: 1st {'same' if same[0] else 'DIFFER'}, 2nd (hit) "
-            f"{'same' if same[1] else 'DIFFER'}"
+            f"\nfirst tokens, caching on vs off: 1st {'same' if cold[3] == cold_off[3] else 'DIFFER'}, 2nd (hit) "
+            f"{'same' if hit[3] == second_off[3] else 'DIFFER'}"
         )
-    (t1, _, e1, _), (t2, cached, e2, _), _ = results["on"]
-    verdict = "meets" if t1 / t2 >= 5 and cached > 0 else "MISSES"
-    print(
-        f"\nprefix caching: second request {t1 / t2:.1f}x faster ({cached} cached tokens): {verdict} the 5x target"
-        f" (engine scheduled -> first token: {e1 / e2:.1f}x)"
-    )
+    for mode in gdn_modes:
+        ratio, engine_ratio, cached = summary["on", mode]
+        verdict = "meets" if ratio >= 5 and cached > 0 else "MISSES"
+        print(
+            f"\nprefix caching{label(mode)}: second request {ratio:.1f}x faster ({cached} cached tokens): "
+            f"{verdict} the 5x target (engine scheduled -> first token: {engine_ratio:.1f}x)"
+        )
+
+
+def label(mode: bool | None) -> str:
+    """A row's GDN short-prefill mode, empty where the engine's own setting was left alone."""
+    return "" if mode is None else f", GDN short prefill {'on' if mode else 'off'}"
 
 
 if __name__ == "__main__":

@@ -264,14 +264,14 @@ VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(
         GDN_SHORT_PREFILL,
         parse_flag,
-        False,
-        "`0`",
-        "`1`: with upstream on CUDA and Triton GDN prefill (the RTX 3090's path), GDN prefills shorter "
+        True,
+        "`1`",
+        "With upstream on CUDA and Triton GDN prefill (the RTX 3090's path), GDN prefills shorter "
         "than one FLA chunk (63 tokens, e.g. what a prefix-cache hit leaves to compute) run FLA's "
         "fused recurrent kernel, one launch a layer instead of about eight "
-        "(`model/vllm_adapter/upstream_gdn.py`). Off until a GPU run shows its parity and speed; "
-        "tested on the CPU under Triton's interpreter only.",
-        "use 1 or 0 (true/false, yes/no, on/off), or unset it (0)",
+        "(`model/vllm_adapter/upstream_gdn.py`); on the H200 a cache hit's step fell from 71-81 ms to "
+        "33-50 ms, with upstream's prefix-cache parity unchanged. `0`: every prefill on upstream's chunked kernel.",
+        "use 1 or 0 (true/false, yes/no, on/off), or unset it (1)",
     ),
     EnvVar(
         ENGINE_FATAL_FILE,

@@ -15,8 +15,8 @@ kernel's bit-trick decode on any GPU (sm_86, the RTX 3090, has no native FP8), t
 K/V scale sidecar (``VLLM_QSA_KV_SCALES``), the calibration collector (``VLLM_QSA_KV_COLLECT``) and
 the device-side clip counters (``VLLM_QSA_KV_CLIP_COUNT``).
 
-From :mod:`model.vllm_adapter.upstream_gdn`, with ``QWEN4EXP_GDN_SHORT_PREFILL=1`` (off until a GPU run
-has judged it): GDN prefills shorter than one FLA chunk (a prefix-cache hit's tail) in FLA's fused
+From :mod:`model.vllm_adapter.upstream_gdn`, unless ``QWEN4EXP_GDN_SHORT_PREFILL=0`` (judged on the H200
+in the eighth run): GDN prefills shorter than one FLA chunk (a prefix-cache hit's tail) in FLA's fused
 recurrent kernel on the Triton path (the 3090's), one launch instead of ~8.
 
 From :mod:`model.vllm_adapter.upstream_ple`: our FP8 E4M3 and NVFP4 PLE tables (``model.ple_format``),
@@ -72,9 +72,9 @@ else:
 
     # Before any model is built: upstream's decoder layers then construct our QSA owner, and its
     # PLE layers our table formats; its HC layers stay off a CuTe-DSL kernel whose packages are
-    # missing (upstream_kernels says why); with QWEN4EXP_GDN_SHORT_PREFILL=1 its Triton-path GDN
+    # missing (upstream_kernels says why); unless QWEN4EXP_GDN_SHORT_PREFILL=0 its Triton-path GDN
     # prefills shorter than one chunk take one recurrent kernel launch (upstream_gdn: what a
-    # prefix-cache hit computes; off until measured on a GPU).
+    # prefix-cache hit computes).
     upstream_qsa.install()
     upstream_ple.install()
     upstream_kernels.disable_cute_dsl_hc_if_missing()

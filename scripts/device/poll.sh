@@ -9,7 +9,7 @@ end=$((SECONDS + ${1:-60}))
 # device time) still returns what it printed, but never the summary at the end (seventh H200 run).
 seen=/tmp/logs/.poll-seen; touch "$seen"
 news() {
-  grep -hE "^(marlin|parity|service|kernels|prefix|upstream)[a-z_]* rc=|caching on \(|prefix caching:|PASSED|FAILED" \
+  grep -hE "^(marlin|parity|service|kernels|prefix|upstream)[a-z_]* rc=|caching on[^(]*\(|prefix caching|per round|PASSED|FAILED" \
     /tmp/logs/*/summary.txt /tmp/logs/*.log /tmp/logs/*/*.log 2>/dev/null | cut -c1-300 | sort -u > "$seen.now"
   comm -13 "$seen" "$seen.now"; mv "$seen.now" "$seen"
 }
@@ -24,7 +24,7 @@ for f in /tmp/logs/*/*.log; do
   echo "== $f"
   grep -E "PASSED|FAILED|problem|differs|token-identical|cached tokens per" "$f" | tail -12 | cut -c1-300
 done
-for f in /tmp/logs/prefix*.log; do [ -f "$f" ] && { echo "== $f"; grep -E "^\||prefix caching:|first tokens|caching on \(|Error" "$f" | tail -9; }; done
+for f in /tmp/logs/prefix*.log; do [ -f "$f" ] && { echo "== $f"; grep -E "^\||prefix caching|first tokens|per round|caching on[^(]*\(|Error" "$f" | tail -14; }; done
 [ -f /tmp/logs/ovu/bench_ours_vs_upstream.md ] && head -12 /tmp/logs/ovu/bench_ours_vs_upstream.md | cut -c1-600
 cd /tmp && tar -czf "$OUT/logs.tgz" --exclude='*.safetensors' logs 2>/dev/null
 [ "$(stat -c %s "$OUT/logs.tgz")" -gt 15000000 ] && { rm "$OUT/logs.tgz"; tar -czf "$OUT/logs-small.tgz" --exclude=pytest-tmp logs; }

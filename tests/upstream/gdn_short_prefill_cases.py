@@ -121,18 +121,25 @@ def _child() -> dict:
     )
     o_ref, final_ref = reference(q, k, v, g, beta, state, cu)
     found["patched_short_err"] = max((o - o_ref).abs().max().item(), (final - final_ref).abs().max().item())
-    # One FLA chunk or more keeps the chunked kernel, which cannot run on this CPU: where it failed says
-    # which path the call took.
-    q, k, v, g, beta, state, cu = batch([64], "cpu", dtype=torch.bfloat16)
+    # One FLA chunk or more keeps the chunked kernel.
+    found["long_path"] = _path_taken(ChunkGatedDeltaRule, [64])
+    # Switched off at run time (as the A/B benchmark does), a short batch takes the chunked kernel too.
+    found["was_enabled"] = upstream_gdn.set_enabled(False)
+    found["disabled_short_path"] = _path_taken(ChunkGatedDeltaRule, [30, 12])
+    upstream_gdn.set_enabled(True)
+    return found
+
+
+def _path_taken(chunk_rule, lengths: list[int]) -> str | list[str]:
+    """The source files on the stack where a patched call failed, or "ran". The chunked kernel
+    cannot run on this CPU, so where it failed says which path the call took."""
+    q, k, v, g, beta, state, cu = batch(lengths, "cpu", dtype=torch.bfloat16)
     try:
-        ChunkGatedDeltaRule.forward_native(
-            None, q, k, v, g, beta, state, True, cu, use_qk_l2norm_in_kernel=False
-        )
-        found["long_path"] = "ran"
+        chunk_rule.forward_native(None, q, k, v, g, beta, state, True, cu, use_qk_l2norm_in_kernel=False)
+        return "ran"
     except Exception:
         frames = traceback.extract_tb(sys.exc_info()[2])
-        found["long_path"] = [os.path.basename(f.filename) for f in frames]
-    return found
+        return [os.path.basename(f.filename) for f in frames]
 
 
 if __name__ == "__main__":

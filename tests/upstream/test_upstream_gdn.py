@@ -55,6 +55,21 @@ def test_a_full_chunk_keeps_the_chunked_kernel(found):
     assert "chunk.py" in frames and "fused_recurrent.py" not in frames[frames.index("chunk.py") :], frames
 
 
+def test_switched_off_at_run_time_short_batches_take_the_chunked_kernel(found):
+    assert found["was_enabled"] is True
+    frames = found["disabled_short_path"]
+    assert frames != "ran", "the chunked kernel cannot run on a CPU: the call should have failed inside it"
+    assert "chunk.py" in frames and "fused_recurrent.py" not in frames, frames
+
+
+def test_on_by_default_and_switched_off_by_zero():
+    """Measured on the H200 before it became the default (README, eighth run); ``0`` turns it off."""
+    from model import envs
+
+    assert envs.read(envs.GDN_SHORT_PREFILL, {}) is True
+    assert envs.read(envs.GDN_SHORT_PREFILL, {envs.GDN_SHORT_PREFILL: "0"}) is False
+
+
 def test_install_refuses_a_changed_upstream_signature(monkeypatch):
     """The wrapper passes upstream's parameters on by position: a method with other parameters (here
     one more) must stop the patch, not be called wrongly."""

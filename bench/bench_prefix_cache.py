@@ -97,6 +97,14 @@ Sample = tuple[float, int, float, int]  # ttft(): wall s, cached tokens, engine 
 Round = tuple[Sample, Sample, Sample]  # the cold request, the cache hit, the floor
 
 
+def set_gdn_mode(mode: bool | None) -> None:
+    """Switch upstream's GDN short-prefill path in the running engine (``None``: leave it)."""
+    if mode is not None:
+        from model.vllm_adapter import upstream_gdn  # the engine core runs in this process (--upstream)
+
+        upstream_gdn.set_enabled(mode)
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
 
@@ -140,14 +148,15 @@ def run(
         # H200, which would otherwise count as a prefix-cache win (seen with caching off: 2.7x). Then
         # the same warm-up prefix with another suffix, so the hit path's shapes (a short prefill over
         # a long cached context) are compiled before they are timed too.
+        # With several GDN modes, a warm-up hit in each, so neither path compiles in a timed round.
         ttft(llm, warmup)
-        ttft(llm, warmup[: -args.suffix_len] + warmup[: args.suffix_len])
+        for i, mode in enumerate(gdn_modes):
+            set_gdn_mode(mode)
+            suffix = warmup[i * args.suffix_len : (i + 1) * args.suffix_len]
+            ttft(llm, warmup[: -args.suffix_len] + suffix)
         for r in range(args.rounds):
             for mode in gdn_modes:
-                if mode is not None:
-                    from model.vllm_adapter import upstream_gdn  # the engine core is in this process
-
-                    upstream_gdn.set_enabled(mode)
+                set_gdn_mode(mode)
                 first_ids, second_ids, third_ids = prompts[r, mode]
                 first = ttft(llm, first_ids)
                 second = ttft(llm, second_ids)

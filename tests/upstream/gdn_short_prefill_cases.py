@@ -112,6 +112,12 @@ def _child() -> dict:
             "shapes": [list(o.shape), list(final.shape)],
             "initial_untouched": bool(torch.equal(state, before)),
         }
+    # A shape met before, with other values (what every layer after the first sends): the slot
+    # table built for that shape and the uninitialised spare state row change nothing.
+    q, k, v, g, beta, state, cu = batch([5, 1, 9], "cpu", seed=7)
+    o, final = upstream_gdn.recurrent_prefill(q, k, v, g, beta, state, cu)
+    o_ref, final_ref = reference(q, k, v, g, beta, state, cu)
+    found["repeat_shape_err"] = max((o - o_ref).abs().max().item(), (final - final_ref).abs().max().item())
     found["installed"] = upstream_gdn.install()
     found["installed_again"] = upstream_gdn.install()
     # Through the patched method, as upstream's layer calls it (positional, then keywords).

@@ -39,6 +39,10 @@ def test_recurrent_prefill_is_the_gated_delta_rule(found, case):
     assert result["initial_untouched"], "the caller's gathered states must not be written"
 
 
+def test_a_shape_seen_before_gives_the_rule_again(found):
+    assert found["repeat_shape_err"] < 1e-5, found["repeat_shape_err"]
+
+
 def test_shapes_are_the_chunked_calls(found):
     o_shape, state_shape = found["cases"]["mixed"]["shapes"]
     assert o_shape == [1, 15, 4, 16] and state_shape == [3, 4, 16, 16]

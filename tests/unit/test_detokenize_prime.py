@@ -162,3 +162,19 @@ def test_install_refuses_another_vllm(monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     with pytest.raises(RuntimeError, match=r"vLLM 0\.32\.x.*this is vLLM 0\.33\.0"):
         detokenize_prime.install()
+
+
+def test_the_plugin_installs_it_in_every_vllm_process(monkeypatch):
+    """vLLM runs ``model.plugin.register`` in the API server too (``EngineArgs``), where the output
+    processor detokenizes: the plugin is what installs the priming."""
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
+
+    from model import plugin
+
+    detokenize_prime.install()
+    unprimed = FastIncrementalDetokenizer.qwen4exp_unprimed_init
+    monkeypatch.setattr(FastIncrementalDetokenizer, "__init__", unprimed)  # as vLLM ships it
+    monkeypatch.delattr(FastIncrementalDetokenizer, "qwen4exp_primes_with_prompt_tail")
+    plugin.register()
+    assert FastIncrementalDetokenizer.qwen4exp_primes_with_prompt_tail
+    assert FastIncrementalDetokenizer.__init__ is not unprimed

@@ -81,7 +81,11 @@ def recurrent_prefill(
     ``[N + 1]``. Returns ``o`` ``[1, T, HV, V]`` in ``q``'s dtype and the ``[N, HV, V, K]`` final
     states in ``initial_state``'s dtype. No host synchronisation: every size comes from shapes.
     """
-    from vllm.third_party.flash_linear_attention.ops.fused_recurrent import fused_recurrent_gated_delta_rule
+    # FLA's forward itself, not its autograd wrapper (``fused_recurrent_gated_delta_rule``): the
+    # engine never takes gradients, and at ~30 layers a step the wrapper's host time adds up.
+    from vllm.third_party.flash_linear_attention.ops.fused_recurrent import (
+        fused_recurrent_gated_delta_rule_fwd,
+    )
 
     num_seqs, num_tokens = cu_seqlens.shape[0] - 1, q.shape[1]
     # The kernel reads and updates states in place through a slot table, one slot per (sequence,
@@ -91,16 +95,18 @@ def recurrent_prefill(
     # time in a 40 ms cache-hit step), so this costs one allocation and one copy per layer.
     states = initial_state.new_empty((num_seqs + 1, *initial_state.shape[1:]))
     states[1:].copy_(initial_state)
-    o, states = fused_recurrent_gated_delta_rule(
-        q,
-        k,
-        v,
-        g,
-        beta,
+    o, states = fused_recurrent_gated_delta_rule_fwd(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        g.contiguous(),
+        beta.contiguous(),
+        scale=k.shape[-1] ** -0.5,  # what the wrapper defaults to, as the chunked call does
         initial_state=states,
         inplace_final_state=True,
         cu_seqlens=cu_seqlens,
         ssm_state_indices=_slot_table(num_seqs, num_tokens, q.device),
+        num_accepted_tokens=None,
         use_qk_l2norm_in_kernel=False,
     )
     return o, states[1:]

@@ -160,6 +160,7 @@ FAULT_INJECT_FATAL_TOKEN = "QWEN4EXP_FAULT_INJECT_FATAL_TOKEN"
 QSA_SELECTION = "QWEN4EXP_QSA_SELECTION"
 CUDA_MODEL = "QWEN4EXP_CUDA_MODEL"
 GDN_SHORT_PREFILL = "QWEN4EXP_GDN_SHORT_PREFILL"
+SEPARATE_INDEXER_PROJECTION = "QWEN4EXP_SEPARATE_INDEXER_PROJECTION"
 
 DEFAULT_COLLECT_INTERVAL_S = 30.0
 
@@ -272,6 +273,17 @@ VARIABLES: tuple[EnvVar, ...] = (
         "(`model/vllm_adapter/upstream_gdn.py`); on the H200 a cache hit's step fell from 71-81 ms to "
         "33-50 ms, with upstream's prefix-cache parity unchanged. `0`: every prefill on upstream's chunked kernel.",
         "use 1 or 0 (true/false, yes/no, on/off), or unset it (1)",
+    ),
+    EnvVar(
+        SEPARATE_INDEXER_PROJECTION,
+        parse_flag,
+        False,
+        "`0`",
+        "With upstream on CUDA: `1` keeps each QSA layer's indexer Q/K projection its own GEMM, as every "
+        "quantized checkpoint has it, instead of a fourth shard of the QKV GEMM. For comparing a "
+        "quantized checkpoint with its bf16 twin on the same layer structure (the GPU twin tests); "
+        "the same weights, another GEMM split, so bf16 rounding may differ.",
+        "use 1 or 0 (true/false, yes/no, on/off), or unset it (0)",
     ),
     EnvVar(
         ENGINE_FATAL_FILE,

@@ -38,6 +38,7 @@ from vllm.models.qwen4_exp.nvidia import model as upstream_model
 from vllm.models.qwen4_exp.nvidia import qsa as upstream_qsa
 from vllm.v1.attention.backend import AttentionType
 
+from model import envs
 from model.qsa_kv.settings import QSAKVSettings, resolve_kv_format
 from model.qsa_kv.state import QSAKVState
 
@@ -113,6 +114,15 @@ def unfused_qkv_mapping(mapping: dict[str, list[str]]) -> dict[str, list[str]]:
     return {**mapping, "qkv_proj": ["q_proj", "k_proj", "v_proj"]}
 
 
+def keeps_indexer_projection_separate(quant_config) -> bool:
+    """Whether a QSA owner keeps its indexer Q/K projection its own layer: with any quantization
+    config but ModelOpt FP4 (see :func:`unfused_qkv_mapping`), or where
+    ``QWEN4EXP_SEPARATE_INDEXER_PROJECTION`` asks for it (a bf16 twin of a quantized checkpoint)."""
+    return upstream_model.without_modelopt_fp4(quant_config) is not None or envs.read(
+        envs.SEPARATE_INDEXER_PROJECTION
+    )
+
+
 @contextlib.contextmanager
 def _indexer_projection_kept_separate():
     """While upstream's owner constructor runs: its fusing step returns the plain QKV projection.
@@ -175,10 +185,13 @@ class Qwen4ExpQSAAttentionSm86(_UpstreamOwner):
 
     With a quantization config (other than ModelOpt FP4, which upstream leaves out of these layers)
     the indexer projection stays its own layer, unquantized where the checkpoint's ignore list says
-    so, instead of a fourth shard of the quantized QKV GEMM (:func:`unfused_qkv_mapping`)."""
+    so, instead of a fourth shard of the quantized QKV GEMM (:func:`unfused_qkv_mapping`).
+    ``QWEN4EXP_SEPARATE_INDEXER_PROJECTION=1`` does the same without one, so that a bf16 twin has
+    the quantized checkpoint's layer structure (upstream loads either way: ``load_weights`` maps
+    the indexer into ``qkv_proj`` only while ``fuse_indexer_projection`` holds)."""
 
     def __init__(self, *, vllm_config, config, layer_id, quant_config=None, reduce_results=True, prefix=""):
-        separate = upstream_model.without_modelopt_fp4(quant_config) is not None
+        separate = keeps_indexer_projection_separate(quant_config)
         with _indexer_projection_kept_separate() if separate else contextlib.nullcontext():
             super().__init__(
                 vllm_config=vllm_config,

@@ -323,13 +323,20 @@ def test_upstream_quantized_weights_equal_their_twin(name, tmp_path):
             src, tmp_path / f"ckpt-{deq}", fmt, scope=scope, group_size=group, scales="pow2", dequantized=deq
         )
         engine = {} if deq else sm86_engine_args(fmt)
+        # The twin keeps the indexer projection its own GEMM, as the quantized checkpoint must: the
+        # two then differ only in the weights' format. Until the ninth H200 run the twin fused it
+        # into the QKV GEMM (another bf16 rounding of the indexer's scores, a confound for the
+        # fp8-experts pair that failed at the same token in the sixth and ninth runs).
+        twin_env = {"QWEN4EXP_SEPARATE_INDEXER_PROJECTION": "1"} if deq else {}
         runs[deq] = run_upstream(
-            tmp_path / f"run-{deq}", ckpt, short_prompts(ckpt), engine=engine, **SM86_ENV
+            tmp_path / f"run-{deq}", ckpt, short_prompts(ckpt), engine=engine, **SM86_ENV, **twin_env
         )
         assert "error" not in runs[deq], f"{runs[deq]['error']}\n{runs[deq]['log_tail']}"
         print(f"upstream {name} {'twin' if deq else 'quantized'} kernels:", flush=True)
         for k, v in runs[deq]["kernels"].items():
             print(f"  {k}: {v}", flush=True)
+    indexer = "model.layers.*.self_attn.indexer.index_qk_proj"
+    assert indexer in runs[False]["kernels"] and indexer in runs[True]["kernels"], "same layer structure"
     problems = kernel_problems(runs[False]["kernels"], tmp_path / "ckpt-False", fmt)
     problems += compare(twin_logprobs(runs[False]), twin_logprobs(runs[True]))
     assert not problems, "\n".join(problems)

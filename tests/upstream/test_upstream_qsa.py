@@ -263,6 +263,24 @@ def test_mapping_keeps_the_indexer_out_of_qkv_and_the_subclass_says_so(upstream_
     assert upstream_qsa.upstream_qsa.Qwen4ExpQSAQKVIndexerLinear is fused
 
 
+def test_indexer_projection_separate_with_quantization_or_when_asked(upstream_qsa, monkeypatch):
+    """A bf16 twin of a quantized checkpoint gets the quantized one's layer structure on request."""
+    import vllm.models.qwen4_exp.nvidia.model as upstream_model
+
+    monkeypatch.delenv("QWEN4EXP_SEPARATE_INDEXER_PROJECTION", raising=False)
+    assert not upstream_qsa.keeps_indexer_projection_separate(None)
+    quant = SimpleNamespace(get_name=lambda: "compressed-tensors")
+    assert upstream_model.without_modelopt_fp4(quant) is quant
+    assert upstream_qsa.keeps_indexer_projection_separate(quant)
+    assert not upstream_qsa.keeps_indexer_projection_separate(
+        SimpleNamespace(get_name=lambda: "modelopt_fp4")
+    )
+    monkeypatch.setenv("QWEN4EXP_SEPARATE_INDEXER_PROJECTION", "1")
+    assert upstream_qsa.keeps_indexer_projection_separate(None)
+    monkeypatch.setenv("QWEN4EXP_SEPARATE_INDEXER_PROJECTION", "0")
+    assert not upstream_qsa.keeps_indexer_projection_separate(None)
+
+
 def test_the_subclass_reads_every_ple_format_ours_reads():
     """What lets ``problems_for_upstream`` accept every well-formed PLE table format."""
     from model import ple_format

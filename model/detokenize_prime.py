@@ -47,24 +47,22 @@ def install() -> bool:
     ``FastIncrementalDetokenizer.qwen4exp_unprimed_init`` (tests and the bench compare both). Fails
     closed on another vLLM minor or a constructor whose parameters changed."""
     import msgspec
-    import vllm
     from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 
-    from model.vllm_fixes import VLLM_MINOR
+    from model.vllm_fixes import require_vllm_minor
 
     cls = FastIncrementalDetokenizer
     if getattr(cls, _PATCHED, False):
         return False
+    recheck = (
+        "re-check model/detokenize_prime.py against vllm/v1/engine/detokenizer.py (drop it if the "
+        "stream is no longer primed with the whole prompt)"
+    )
+    require_vllm_minor("model.detokenize_prime", recheck)
     original = cls.__init__
-    if not vllm.__version__.startswith(VLLM_MINOR) or list(inspect.signature(original).parameters) != [
-        "self",
-        "tokenizer",
-        "request",
-    ]:
+    if list(inspect.signature(original).parameters) != ["self", "tokenizer", "request"]:
         raise RuntimeError(
-            f"model/detokenize_prime.py was written for vLLM {VLLM_MINOR}x's FastIncrementalDetokenizer"
-            f"(tokenizer, request); this is vLLM {vllm.__version__}: re-check it against "
-            "vllm/v1/engine/detokenizer.py (drop it if the stream is no longer primed with the whole prompt)"
+            f"FastIncrementalDetokenizer(tokenizer, request) changed its parameters: {recheck}"
         )
 
     @functools.wraps(original)

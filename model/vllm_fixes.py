@@ -27,14 +27,15 @@ import functools
 VLLM_MINOR = "0.32."
 
 
-def _check_version() -> None:
+def require_vllm_minor(module: str, recheck: str) -> None:
+    """Refuse to patch vLLM from ``module`` on another minor than :data:`VLLM_MINOR`; ``recheck``
+    says what to re-check against the new version's code."""
     import vllm
 
     if not vllm.__version__.startswith(VLLM_MINOR):
         raise RuntimeError(
-            f"model.vllm_fixes was written for vLLM {VLLM_MINOR}x and this is vLLM {vllm.__version__}: "
-            "re-check each fix in model/vllm_fixes.py against this version's code (drop the ones it has "
-            "fixed), then update VLLM_MINOR"
+            f"{module} was written for vLLM {VLLM_MINOR}x and this is vLLM {vllm.__version__}: "
+            f"{recheck}, then update VLLM_MINOR in model/vllm_fixes.py"
         )
 
 
@@ -62,7 +63,10 @@ def fixed_marlin_moe_permute_scales(permute):
 
 def install() -> None:
     """Apply every fix (idempotent). Called by the plugin in each vLLM process before a model loads."""
-    _check_version()
+    require_vllm_minor(
+        "model.vllm_fixes",
+        "re-check each fix in model/vllm_fixes.py against this version's code (drop the ones it has fixed)",
+    )
     from vllm.model_executor.layers.fused_moe.oracle import int_wna16
 
     int_wna16.marlin_moe_permute_scales = fixed_marlin_moe_permute_scales(int_wna16.marlin_moe_permute_scales)

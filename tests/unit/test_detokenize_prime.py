@@ -178,3 +178,14 @@ def test_the_plugin_installs_it_in_every_vllm_process(monkeypatch):
     plugin.register()
     assert FastIncrementalDetokenizer.qwen4exp_primes_with_prompt_tail
     assert FastIncrementalDetokenizer.__init__ is not unprimed
+
+
+def test_install_refuses_a_changed_constructor(monkeypatch):
+    from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
+
+    monkeypatch.delattr(FastIncrementalDetokenizer, "qwen4exp_primes_with_prompt_tail", raising=False)
+    monkeypatch.setattr(
+        FastIncrementalDetokenizer, "__init__", lambda self, tokenizer, request, extra=None: None
+    )
+    with pytest.raises(RuntimeError, match=r"changed its parameters: re-check model/detokenize_prime\.py"):
+        detokenize_prime.install()

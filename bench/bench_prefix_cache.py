@@ -138,6 +138,7 @@ def run(
         # One request at a time. vLLM's default (1,024 on an H200) needs one Mamba block per
         # sequence for graph capture, more than a 4 GiB pool holds for a 40-layer model.
         max_num_seqs=8,
+        kv_cache_dtype=args.kv_cache_dtype,
         disable_log_stats=False,  # per-request timestamps (RequestOutput.metrics)
         **extra,
     )
@@ -194,6 +195,12 @@ def main() -> None:
         "--capture-max", type=int, default=512, help="largest CUDA graph batch in tokens (with graphs)"
     )
     parser.add_argument("--gpu-mem", type=float, default=0.5, help="gpu_memory_utilization (CUDA)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="vLLM's kv_cache_dtype; 'fp8' is the RTX 3090's QSA cache (our E4M3 writer, upstream's "
+        "unfused prepare), here at scale 1.0 without a VLLM_QSA_KV_SCALES sidecar",
+    )
     parser.add_argument("--upstream", action="store_true", help="QWEN4EXP_CUDA_MODEL=upstream (CUDA)")
     parser.add_argument(
         "--gdn-ab",
@@ -248,7 +255,7 @@ def main() -> None:
 
     print(
         f"\nmodel {args.model}, prompt {args.prefix_len} + {args.suffix_len} tokens, twice with a "
-        f"different suffix, bf16, {current_platform.device_type} ({os.cpu_count()} cores), "
+        f"different suffix, bf16, KV cache {args.kv_cache_dtype}, {current_platform.device_type} ({os.cpu_count()} cores), "
         f"{'upstream' if args.upstream else 'ours'}, {'graphs' if args.cuda_graphs else 'eager'}, "
         f"{args.rounds} round(s) per row (medians; a new prefix each round)\n"
     )

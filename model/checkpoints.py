@@ -134,7 +134,11 @@ PRESETS: dict[str, dict] = {
 # weights, ``--train-steps 0 --device cuda`` draws them on a GPU in a minute): a prefill that costs
 # what the real model's does, which qsa512 (hidden 256, 8 layers) is too small to show. 4 index heads
 # as in qsa512: with 16, upstream's indexer prefill kernel needs 296 KiB of shared memory and does not
-# launch even on an H200 (model.cuda_model_choice.indexer_prefill_shared_bytes).
+# launch even on an H200 (model.cuda_model_choice.indexer_prefill_shared_bytes). RoPE on a quarter of
+# the 256-wide heads, 64 dimensions: what transformers' rotary embedding assumes (its default MRoPE
+# sections [11, 11, 10] interleave 32 frequency pairs, ``modeling_qwen4_exp.py`` Qwen4ExpTextRotaryEmbedding)
+# and what upstream's fused QSA prepare is written for; keeping qsa512's factor 0.5 on 256-wide heads
+# (128 dimensions, the ninth H200 run) sent every indexer through upstream's unfused prepare.
 PRESETS["real-compute"] = {
     **PRESETS["qsa512"],
     **dict(
@@ -152,6 +156,7 @@ PRESETS["real-compute"] = {
         hc_lowrank=320,
         ple_embed_dim=2048,
         heads_per_ngram=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25},
     ),
 }
 

@@ -7,6 +7,7 @@
 #   prefix-rc:        one round with QWEN4EXP_GDN_SHORT_PREFILL=0 (the seventh run's path), + control
 #   prefix-rc-16:     the same with graphs only up to 16 tokens (the bench before --capture-max), no control
 #   prefix-rc-gdn:    one round with QWEN4EXP_GDN_SHORT_PREFILL=1 (one recurrent GDN launch for short prefills), no control
+#   prefix-rc-fp8:    three rounds with the FP8 QSA cache (the 3090's path: E4M3 writer, unfused prepare), no control
 #   prefix-qsa512:    one round on qsa512, the served default (short-prefill path on), + control
 # EAGER=1 leaves graphs off for the prefix benches; PROFILE=1 torch-profiles a cache hit into
 # /tmp/logs/prefix-hit-profile.txt (op tables by device and host time).
@@ -16,12 +17,13 @@ export PYTHONPATH=/tmp/proj:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFF
 graphs=--cuda-graphs; [ -n "${EAGER:-}" ] && graphs=
 one() {
   case $1 in
-    prefix-rc|prefix-rc-ab|prefix-rc-16|prefix-rc-gdn|prefix-qsa512)
+    prefix-rc|prefix-rc-ab|prefix-rc-16|prefix-rc-gdn|prefix-rc-fp8|prefix-qsa512)
       local model=/tmp/rc more=() gdn=0
       [ "$1" = prefix-qsa512 ] && model=/tmp/proj/checkpoints/qsa512 && gdn=1
       [ "$1" = prefix-rc-16 ] && more=(--capture-max 16 --no-control)
       [ "$1" = prefix-rc-gdn ] && more=(--no-control) && gdn=1
       [ "$1" = prefix-rc-ab ] && more=(--gdn-ab --rounds "${ROUNDS:-5}") && gdn=1
+      [ "$1" = prefix-rc-fp8 ] && more=(--kv-cache-dtype fp8 --rounds 3 --no-control) && gdn=1
       [ -n "${PROFILE:-}" ] && [ "$1" != prefix-rc-16 ] && more+=(--profile "/tmp/logs/$1-hit-profile.txt")
       QWEN4EXP_GDN_SHORT_PREFILL=$gdn timeout 570 python3 bench/bench_prefix_cache.py --model "$model" --upstream $graphs --gpu-mem 0.5 \
         "${more[@]}" > "/tmp/logs/$1${EAGER:+-eager}.log" 2>&1 ;;

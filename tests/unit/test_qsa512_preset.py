@@ -37,7 +37,7 @@ def test_qsa512_selects_512_blocks_and_loads(tmp_path):
 def test_real_compute_preset_is_served_by_upstream_on_both_cards():
     """``real-compute`` (GPU timing only, ~4B parameters, never saved here): upstream must take it on
     an H200 and an RTX 3090 (top-k 512, output gate written out, index heads within the 3090's shared
-    memory), with the real config's per-token shapes."""
+    memory), with the real config's per-token shapes, RoPE width included."""
     import torch
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
@@ -50,6 +50,16 @@ def test_real_compute_preset_is_served_by_upstream_on_both_cards():
         assert problems_for_upstream(written, {}, shared_memory_per_block=shared, **facts) == []
     config = Qwen4ExpTextConfig(**spec, eos_token_id=2, pad_token_id=0, bos_token_id=None)
     assert config.layer_types.count("indexed_attention") == 10
+    # RoPE on 64 of the 256 dimensions: transformers' rotary embedding interleaves its MRoPE sections
+    # over exactly that many, and upstream's fused QSA prepare needs it (indexer_qsa.py,
+    # _supports_fused_pre_indexer: rotary_dim 64, index heads of 128, one key head, ratio a power of 2).
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextRotaryEmbedding
+
+    rotary_dim = int(config.head_dim * config.rope_parameters["partial_rotary_factor"])
+    rope = Qwen4ExpTextRotaryEmbedding(config)
+    assert rotary_dim == 2 * rope.inv_freq.numel() == 2 * sum(rope.mrope_section) == 64
+    assert config.indexer_head_dim == 128 and config.indexer_kv_heads == 1
+    assert config.indexer_compress_ratio & (config.indexer_compress_ratio - 1) == 0
     with torch.device("meta"):
         model = Qwen4ExpForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())

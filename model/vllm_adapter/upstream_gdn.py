@@ -23,6 +23,15 @@ upstream's prefix-cache parity test passes with it (eager and CUDA graphs, 3/3 t
 engine); a cache hit's 48-token step fell from 71-81 ms to 33-50 ms of floor on that host. On by
 default (``QWEN4EXP_GDN_SHORT_PREFILL``); :func:`set_enabled` switches it at run time, so a benchmark
 can time both paths in one engine.
+
+A batch of prefills only (a cache hit's step) goes one step further, in the layer's
+``_forward_core``: after upstream's causal convolution, FLA's fused *gating* recurrent kernel (the
+one upstream runs for decodes) computes the gates and L2 norms itself and reads and writes the
+sequences' state slots in place, so the separate gating launch, the gather of the initial states,
+zeroing new sequences' states and the scatter of the final ones (four to six launches and their
+host time per layer, 30 layers) collapse into one index fill and one launch. The tenth H200 run's
+profile of a hit put ~35% of each GDN layer's ~1 ms host time in those steps. Mixed batches (decodes
+with prefills, speculative decoding) keep upstream's method with the recurrent call above.
 """
 
 from __future__ import annotations
@@ -112,6 +121,139 @@ def recurrent_prefill(
     return o, states[1:]
 
 
+_step_cache: list = [None, 0, None]  # (metadata it was built for, tokens, (slot table, fresh slots))
+
+
+def _step_tables(
+    metadata: object, state_indices: torch.Tensor, has_initial_state: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot table (``[N, num_tokens]`` int32, row ``i`` all sequence ``i``'s state slot) and the
+    slots to zero first (a new sequence's slot; ``0``, vLLM's null block, for the others), built
+    once per step: every GDN layer of a step gets the same metadata object, so the first layer
+    builds them and the other 29 reuse them. The cache holds that object, so a later step's
+    metadata can never be taken for it."""
+    cached_for, cached_tokens, tables = _step_cache
+    if cached_for is metadata and cached_tokens == num_tokens:
+        return tables
+    slots = state_indices.to(torch.int32)
+    table = slots[:, None].expand(-1, num_tokens).contiguous()
+    fresh = torch.where(has_initial_state, 0, state_indices).long()  # index_fill_ wants int64
+    _step_cache[:] = [metadata, num_tokens, (table, fresh)]
+    return table, fresh
+
+
+def gated_delta_in_place(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    metadata: object = None,
+) -> torch.Tensor:
+    """A short prefill batch's gated delta rule straight on vLLM's state cache; returns ``o``.
+
+    ``q, k`` ``[1, T, H, K]`` (not yet normalised), ``v`` ``[1, T, HV, V]`` as
+    ``rearrange_mixed_qkv`` gives them after the convolution; ``a, b`` ``[T, HV]`` the raw gate
+    inputs; ``ssm_state`` the layer's ``[slots, HV, V, K]`` cache, updated in place at
+    ``state_indices`` (one slot per sequence, ``cu_seqlens`` ``[N + 1]``); a sequence without
+    ``has_initial_state`` starts from zeros, as upstream's chunked call does. The kernel computes
+    ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)`` and the L2 norms in fp32 (upstream's
+    separate gating launch rounds q and k to bf16 first) and steps the recurrence token by token,
+    storing each token's state in its sequence's slot, so the last one stays. ``metadata``: the step's
+    metadata object, to build the slot tables once per step (:func:`_step_tables`). No host sync.
+    """
+    from vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating import (
+        fused_sigmoid_gating_delta_rule_update,
+    )
+
+    num_tokens = q.shape[1]
+    if metadata is None:  # no step to share them with
+        metadata = object()
+    table, fresh = _step_tables(metadata, state_indices, has_initial_state, num_tokens)
+    ssm_state.index_fill_(0, fresh, 0)  # slot 0 is vLLM's null block: no sequence reads it
+    o, _ = fused_sigmoid_gating_delta_rule_update(
+        A_log=A_log,
+        a=a,
+        b=b,
+        dt_bias=dt_bias,
+        q=q,
+        k=k,
+        v=v,
+        initial_state=ssm_state,
+        inplace_final_state=True,
+        cu_seqlens=cu_seqlens,
+        ssm_state_indices=table,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return o
+
+
+def takes_in_place_path(layer: object, metadata: object) -> bool:
+    """Whether a GDN layer's step is a batch of short prefills only, on the Triton prefill backend,
+    that :func:`short_prefill_core` computes; everything else keeps upstream's ``_forward_core``.
+    Host-side fields only (no sync)."""
+    return bool(
+        _enabled
+        and getattr(layer, "gdn_prefill_backend", None) == "triton"
+        and metadata is not None
+        and getattr(metadata, "spec_sequence_masks", 1) is None
+        and getattr(metadata, "num_decodes", 1) == 0
+        and getattr(metadata, "num_prefills", 0) > 0
+        and getattr(metadata, "num_prefill_tokens", -1) == getattr(metadata, "num_actual_tokens", -2)
+        and getattr(metadata, "num_actual_tokens", 1 << 30) <= short_prefill_limit()
+        and getattr(metadata, "prefill_state_indices", None) is not None
+        and getattr(metadata, "prefill_has_initial_state", None) is not None
+        and getattr(metadata, "prefill_query_start_loc", None) is not None
+    )
+
+
+def short_prefill_core(layer, mixed_qkv, b, a, core_attn_out, metadata) -> None:
+    """What upstream's ``_forward_core`` does for a batch of short prefills, in fewer launches:
+    its causal convolution (the same call), then :func:`gated_delta_in_place` instead of its gating
+    launch, state gather, chunked kernel and state scatter."""
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
+
+    conv_state, ssm_state = layer.kv_cache[0], layer.kv_cache[1]
+    if not gdn.is_conv_state_dim_first():
+        conv_state = conv_state.transpose(-1, -2)  # the conv kernel wants (..., dim, width - 1)
+    num_tokens = metadata.num_actual_tokens
+    weight = layer.conv1d.weight
+    conv_out = causal_conv1d_fn(
+        mixed_qkv[:num_tokens].transpose(0, 1),
+        weight.view(weight.size(0), weight.size(2)),
+        layer.conv1d.bias,
+        activation=layer.activation,
+        conv_states=conv_state,
+        has_initial_state=metadata.has_initial_state,
+        cache_indices=metadata.non_spec_state_indices_tensor,
+        query_start_loc=metadata.non_spec_query_start_loc,
+        metadata=metadata,
+    ).transpose(0, 1)
+    q, k, v = layer.rearrange_mixed_qkv(conv_out)
+    o = gated_delta_in_place(
+        q,
+        k,
+        v,
+        a[:num_tokens],
+        b[:num_tokens],
+        layer.A_log,
+        layer.dt_bias,
+        ssm_state,
+        metadata.prefill_state_indices,
+        metadata.prefill_has_initial_state,
+        metadata.prefill_query_start_loc,
+        metadata=metadata,
+    )
+    core_attn_out[:num_tokens] = o.squeeze(0)
+
+
 def install() -> bool:
     """Route upstream's short Triton-path GDN prefills to :func:`recurrent_prefill`; idempotent.
 
@@ -172,9 +314,61 @@ def install() -> bool:
         )
 
     cls.forward_native = forward_native
+    _install_core()
     setattr(cls, _PATCHED, True)
     logger.info(
         "GDN prefills of up to %d tokens run FLA's fused recurrent kernel (model/vllm_adapter/upstream_gdn.py)",
         limit,
     )
     return True
+
+
+def _install_core() -> None:
+    """Route upstream's ``QwenGatedDeltaNetAttention._forward_core`` to :func:`short_prefill_core`
+    for the batches :func:`takes_in_place_path` accepts. Fails closed on a changed signature."""
+    import inspect
+
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    cls = QwenGatedDeltaNetAttention
+    original = cls._forward_core
+    warmed = False
+
+    def _forward_core(self, mixed_qkv, b, a, core_attn_out):
+        nonlocal warmed
+        raw = get_forward_context().attn_metadata
+        metadata = raw.get(self.prefix) if isinstance(raw, dict) else None
+        if takes_in_place_path(self, metadata):
+            return short_prefill_core(self, mixed_qkv, b, a, core_attn_out, metadata)
+        if (
+            metadata is None
+            and not warmed
+            and self.gdn_prefill_backend == "triton"
+            and mixed_qkv.shape[0] >= 8
+        ):
+            # Upstream's start-up run (no metadata) compiles its prefill kernels: compile this
+            # path's kernel too, on a scratch state, so a first cache hit does not wait for it.
+            warmed = True
+            _warm_up(self, mixed_qkv, b, a)
+        return original(self, mixed_qkv, b, a, core_attn_out)
+
+    if list(inspect.signature(original).parameters) != ["self", "mixed_qkv", "b", "a", "core_attn_out"]:
+        raise RuntimeError(
+            "vLLM's QwenGatedDeltaNetAttention._forward_core changed its parameters; re-check "
+            "model/vllm_adapter/upstream_gdn.py against vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
+        )
+    cls._forward_core = _forward_core
+
+
+def _warm_up(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> None:
+    """One :func:`gated_delta_in_place` call of 8 tokens on a zeroed two-slot state of the layer's
+    state shape and dtype (slot 1 used, slot 0 the null block)."""
+    _, state_shape = layer.get_state_shape()[:2]
+    state = torch.zeros((2, *state_shape), dtype=layer.get_state_dtype()[1], device=mixed_qkv.device)
+    q, k, v = layer.rearrange_mixed_qkv(mixed_qkv[:8])
+    one = torch.ones(1, dtype=torch.int32, device=mixed_qkv.device)
+    gated_delta_in_place(
+        q, k, v, a[:8].contiguous(), b[:8].contiguous(), layer.A_log, layer.dt_bias, state,
+        one, one.bool(), torch.tensor([0, 8], dtype=torch.int32, device=mixed_qkv.device),
+    )  # fmt: skip

@@ -67,9 +67,80 @@ def batch(lengths: list[int], device, dtype=torch.float32, heads=2, value_heads=
 # (name, sequence lengths): one request's hit tail, a 1-token prefill, mixed batches, the limit.
 CASES = [("hit_tail", [48]), ("one_token", [1]), ("mixed", [5, 1, 9]), ("limit", [40, 23])]
 
+# For the in-place path: (name, lengths, whether each sequence has a state); a trailing 0-length
+# sequence is a padded row on vLLM's null block (slot 0).
+IN_PLACE_CASES = [
+    ("hit_tail", [48], [True]),
+    ("cold_short", [20], [False]),
+    ("mixed", [5, 1, 9, 0], [True, False, True, False]),
+    ("limit", [40, 23], [True, True]),
+]
+
+
+def raw_batch(lengths, has_state, device, dtype=torch.float32, heads=2, value_heads=4, dim=16, seed=0):
+    """What upstream's ``_forward_core`` holds after its convolution, for :func:`gated_delta_in_place`:
+    q/k/v as ``rearrange_mixed_qkv`` gives them (not normalised), the raw gate inputs ``a, b``
+    ``[T, HV]``, ``A_log``/``dt_bias`` ``[HV]``, a state cache of ``len(lengths) + 3`` slots with
+    random contents (slot 0 the null block), each real sequence on its own slot in a shuffled order
+    (a padded sequence on slot 0), ``has_initial_state`` and ``cu_seqlens``."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    slots = len(lengths) + 3
+    order = (torch.randperm(slots - 1, generator=gen) + 1)[: len(lengths)]
+    indices = torch.tensor([int(order[i]) if n else 0 for i, n in enumerate(lengths)], dtype=torch.int32)
+    batch_ = dict(
+        q=rand(1, total, heads, dim).to(dtype),
+        k=rand(1, total, heads, dim).to(dtype),
+        v=rand(1, total, value_heads, dim).to(dtype),
+        a=rand(total, value_heads).to(dtype),
+        b=rand(total, value_heads).to(dtype),
+        A_log=torch.log(torch.rand(value_heads, generator=gen) * 4 + 1),
+        dt_bias=rand(value_heads),
+        ssm_state=rand(slots, value_heads, dim, dim) * 0.1,
+        state_indices=indices,
+        has_initial_state=torch.tensor(has_state),
+        cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+    )
+    return {name: t.to(device) for name, t in batch_.items()}
+
+
+def gates(inputs) -> tuple[torch.Tensor, ...]:
+    """The post-convolution prep in fp32: L2-normalised q/k (eps 1e-6 inside the root, as both of
+    upstream's kernels), ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``."""
+
+    def norm(x):
+        x = x.float()
+        return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+    g = -torch.exp(inputs["A_log"].float()) * torch.nn.functional.softplus(
+        inputs["a"].float() + inputs["dt_bias"].float()
+    )
+    beta = torch.sigmoid(inputs["b"].float())
+    return norm(inputs["q"]), norm(inputs["k"]), inputs["v"].float(), g[None], beta[None]
+
+
+def in_place_reference(inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, state cache after)`` in fp32: each sequence from its slot's state (zeros without one),
+    its final state written back to its slot; other slots as they were (slot 0 excepted: the path
+    may write there, no one reads it)."""
+    q, k, v, g, beta = gates(inputs)
+    slots, has = inputs["state_indices"].long(), inputs["has_initial_state"]
+    initial = inputs["ssm_state"][slots].float() * has[:, None, None, None]
+    o, finals = reference(q, k, v, g, beta, initial, inputs["cu_seqlens"])
+    after = inputs["ssm_state"].float().clone()
+    lengths = inputs["cu_seqlens"].diff().tolist()
+    for n, slot in enumerate(slots.tolist()):
+        if lengths[n]:
+            after[slot] = finals[n]
+    return o, after
+
 
 def _interpreted_fla():
-    """FLA's recurrent kernel module with the real Triton, interpreted (see the module docstring).
+    """FLA's recurrent kernel module (and its fused gating one) with the real Triton, interpreted (see the module docstring).
     vLLM itself is imported first with its own ``triton_utils``; only FLA's modules are re-imported
     behind the shim, which is then taken away again."""
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported
@@ -88,6 +159,7 @@ def _interpreted_fla():
     sys.modules["vllm.triton_utils"] = shim
     try:
         import vllm.third_party.flash_linear_attention.ops.fused_recurrent as fused_recurrent
+        import vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating  # noqa: F401
     finally:
         sys.modules["vllm.triton_utils"] = real
     fused_recurrent.exp = lambda x: tl.exp(x)
@@ -118,6 +190,7 @@ def _child() -> dict:
     o, final = upstream_gdn.recurrent_prefill(q, k, v, g, beta, state, cu)
     o_ref, final_ref = reference(q, k, v, g, beta, state, cu)
     found["repeat_shape_err"] = max((o - o_ref).abs().max().item(), (final - final_ref).abs().max().item())
+    found["in_place"] = _in_place_findings(upstream_gdn)
     found["installed"] = upstream_gdn.install()
     found["installed_again"] = upstream_gdn.install()
     # Through the patched method, as upstream's layer calls it (positional, then keywords).
@@ -133,6 +206,34 @@ def _child() -> dict:
     found["was_enabled"] = upstream_gdn.set_enabled(False)
     found["disabled_short_path"] = _path_taken(ChunkGatedDeltaRule, [30, 12])
     upstream_gdn.set_enabled(True)
+    return found
+
+
+def _in_place_findings(upstream_gdn) -> dict:
+    """``gated_delta_in_place`` (FLA's fused gating kernel, interpreted) against the fp32 rule."""
+    found = {}
+    for name, lengths, has_state in IN_PLACE_CASES:
+        inputs = raw_batch(lengths, has_state, "cpu")
+        o_ref, after_ref = in_place_reference(inputs)
+        state = inputs["ssm_state"]
+        o = upstream_gdn.gated_delta_in_place(**inputs)
+        found[name] = {
+            "out_err": (o.float() - o_ref).abs().max().item(),
+            "state_err": (state[1:].float() - after_ref[1:]).abs().max().item(),
+            "out_shape": list(o.shape),
+        }
+    # One step's metadata object shared by several layers: the second layer (other values, same
+    # batch layout) reuses the first layer's slot tables and still gets its own rule.
+    step = object()
+    results = []
+    for seed in (1, 2):
+        inputs = raw_batch([5, 1, 9, 0], [True, False, True, False], "cpu", seed=seed)
+        inputs["state_indices"] = torch.tensor([4, 2, 5, 0], dtype=torch.int32)
+        o_ref, after_ref = in_place_reference(inputs)
+        state = inputs["ssm_state"]
+        o = upstream_gdn.gated_delta_in_place(**inputs, metadata=step)
+        results.append(max((o - o_ref).abs().max().item(), (state[1:] - after_ref[1:]).abs().max().item()))
+    found["shared_step_err"] = max(results)
     return found
 
 

@@ -39,6 +39,60 @@ def test_recurrent_prefill_is_the_gated_delta_rule(found, case):
     assert result["initial_untouched"], "the caller's gathered states must not be written"
 
 
+@pytest.mark.parametrize("case", ["hit_tail", "cold_short", "mixed", "limit"])
+def test_in_place_path_is_the_gated_delta_rule_on_the_state_cache(found, case):
+    """Gates and norms from the raw inputs, states read from and written to their slots (zeros for a
+    sequence without one, a padded row on the null block left alone), other slots untouched."""
+    result = found["in_place"][case]
+    print(case, result)
+    assert result["out_err"] < 1e-5 and result["state_err"] < 1e-5, result
+
+
+def test_in_place_path_shares_one_steps_tables_between_layers(found):
+    assert found["in_place"]["shared_step_err"] < 1e-5, found["in_place"]["shared_step_err"]
+
+
+def test_in_place_path_takes_only_short_prefill_batches():
+    """Host-side fields decide: prefills only, no speculative decoding, within one FLA chunk, on the
+    Triton prefill backend, switched on."""
+    from types import SimpleNamespace
+
+    from model.vllm_adapter import upstream_gdn
+
+    layer = SimpleNamespace(gdn_prefill_backend="triton")
+    tensor = object()
+
+    def metadata(**changes):
+        fields = dict(
+            spec_sequence_masks=None, num_decodes=0, num_prefills=1, num_prefill_tokens=48,
+            num_actual_tokens=48, prefill_state_indices=tensor, prefill_has_initial_state=tensor,
+            prefill_query_start_loc=tensor,
+        )  # fmt: skip
+        return SimpleNamespace(**{**fields, **changes})
+
+    limit = upstream_gdn.short_prefill_limit()
+    assert upstream_gdn.takes_in_place_path(layer, metadata())
+    assert upstream_gdn.takes_in_place_path(
+        layer, metadata(num_prefill_tokens=limit, num_actual_tokens=limit)
+    )
+    refused = [
+        metadata(num_prefill_tokens=limit + 1, num_actual_tokens=limit + 1),
+        metadata(num_decodes=1, num_actual_tokens=49),
+        metadata(spec_sequence_masks=tensor),
+        metadata(num_prefills=0),
+        metadata(prefill_state_indices=None),
+        None,
+    ]
+    for case in refused:
+        assert not upstream_gdn.takes_in_place_path(layer, case), case
+    assert not upstream_gdn.takes_in_place_path(SimpleNamespace(gdn_prefill_backend="flashinfer"), metadata())
+    previous = upstream_gdn.set_enabled(False)
+    try:
+        assert not upstream_gdn.takes_in_place_path(layer, metadata())
+    finally:
+        upstream_gdn.set_enabled(previous)
+
+
 def test_a_shape_seen_before_gives_the_rule_again(found):
     assert found["repeat_shape_err"] < 1e-5, found["repeat_shape_err"]
 

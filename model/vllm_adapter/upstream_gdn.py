@@ -121,24 +121,37 @@ def recurrent_prefill(
     return o, states[1:]
 
 
-_step_cache: list = [None, 0, None]  # (metadata it was built for, tokens, (slot table, fresh slots))
+# The step the tables below were built in (its forward context), and per metadata object of that
+# step: (the object, tokens, (slot table, fresh slots)). Dropped when the next step begins.
+_step_cache: list = [None, {}]
 
 
 def _step_tables(
-    metadata: object, state_indices: torch.Tensor, has_initial_state: torch.Tensor, num_tokens: int
+    step: object | None,
+    metadata: object | None,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    num_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The slot table (``[N, num_tokens]`` int32, row ``i`` all sequence ``i``'s state slot) and the
-    slots to zero first (a new sequence's slot; ``0``, vLLM's null block, for the others), built
-    once per step: every GDN layer of a step gets the same metadata object, so the first layer
-    builds them and the other 29 reuse them. The cache holds that object, so a later step's
-    metadata can never be taken for it."""
-    cached_for, cached_tokens, tables = _step_cache
-    if cached_for is metadata and cached_tokens == num_tokens:
-        return tables
+    slots to zero first (a new sequence's slot; ``0``, vLLM's null block, for the others), built once
+    per metadata object and step. Why per object and not one entry: the tenth H200 run's profile built
+    them in all 30 GDN layers of a step (~0.13-0.26 ms of host time each under the profiler), so
+    consecutive GDN layers do not share one metadata object; a step's KV-cache groups each have their
+    own, and the layers alternate between the groups. The cache holds every object it keyed on until
+    the step (``step``, the forward context) changes, so an id is never reused within it. Without a
+    step (a direct call) nothing is cached."""
+    if step is not None and metadata is not None:
+        if _step_cache[0] is not step:
+            _step_cache[:] = [step, {}]
+        hit = _step_cache[1].get(id(metadata))
+        if hit is not None and hit[0] is metadata and hit[1] == num_tokens:
+            return hit[2]
     slots = state_indices.to(torch.int32)
     table = slots[:, None].expand(-1, num_tokens).contiguous()
     fresh = torch.where(has_initial_state, 0, state_indices).long()  # index_fill_ wants int64
-    _step_cache[:] = [metadata, num_tokens, (table, fresh)]
+    if step is not None and metadata is not None:
+        _step_cache[1][id(metadata)] = (metadata, num_tokens, (table, fresh))
     return table, fresh
 
 
@@ -155,6 +168,7 @@ def gated_delta_in_place(
     has_initial_state: torch.Tensor,
     cu_seqlens: torch.Tensor,
     metadata: object = None,
+    step: object = None,
 ) -> torch.Tensor:
     """A short prefill batch's gated delta rule straight on vLLM's state cache; returns ``o``.
 
@@ -165,17 +179,16 @@ def gated_delta_in_place(
     ``has_initial_state`` starts from zeros, as upstream's chunked call does. The kernel computes
     ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)`` and the L2 norms in fp32 (upstream's
     separate gating launch rounds q and k to bf16 first) and steps the recurrence token by token,
-    storing each token's state in its sequence's slot, so the last one stays. ``metadata``: the step's
-    metadata object, to build the slot tables once per step (:func:`_step_tables`). No host sync.
+    storing each token's state in its sequence's slot, so the last one stays. ``metadata`` and ``step``
+    (the forward context): to build the slot tables once per metadata object and step
+    (:func:`_step_tables`). No host sync.
     """
     from vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating import (
         fused_sigmoid_gating_delta_rule_update,
     )
 
     num_tokens = q.shape[1]
-    if metadata is None:  # no step to share them with
-        metadata = object()
-    table, fresh = _step_tables(metadata, state_indices, has_initial_state, num_tokens)
+    table, fresh = _step_tables(step, metadata, state_indices, has_initial_state, num_tokens)
     ssm_state.index_fill_(0, fresh, 0)  # slot 0 is vLLM's null block: no sequence reads it
     o, _ = fused_sigmoid_gating_delta_rule_update(
         A_log=A_log,
@@ -213,7 +226,7 @@ def takes_in_place_path(layer: object, metadata: object) -> bool:
     )
 
 
-def short_prefill_core(layer, mixed_qkv, b, a, core_attn_out, metadata) -> None:
+def short_prefill_core(layer, mixed_qkv, b, a, core_attn_out, metadata, step=None) -> None:
     """What upstream's ``_forward_core`` does for a batch of short prefills, in fewer launches:
     its causal convolution (the same call), then :func:`gated_delta_in_place` instead of its gating
     launch, state gather, chunked kernel and state scatter."""
@@ -250,6 +263,7 @@ def short_prefill_core(layer, mixed_qkv, b, a, core_attn_out, metadata) -> None:
         metadata.prefill_has_initial_state,
         metadata.prefill_query_start_loc,
         metadata=metadata,
+        step=step,
     )
     core_attn_out[:num_tokens] = o.squeeze(0)
 
@@ -337,10 +351,11 @@ def _install_core() -> None:
 
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
         nonlocal warmed
-        raw = get_forward_context().attn_metadata
+        context = get_forward_context()
+        raw = context.attn_metadata
         metadata = raw.get(self.prefix) if isinstance(raw, dict) else None
         if takes_in_place_path(self, metadata):
-            return short_prefill_core(self, mixed_qkv, b, a, core_attn_out, metadata)
+            return short_prefill_core(self, mixed_qkv, b, a, core_attn_out, metadata, step=context)
         if (
             metadata is None
             and not warmed

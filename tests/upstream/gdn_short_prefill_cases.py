@@ -222,18 +222,38 @@ def _in_place_findings(upstream_gdn) -> dict:
             "state_err": (state[1:].float() - after_ref[1:]).abs().max().item(),
             "out_shape": list(o.shape),
         }
-    # One step's metadata object shared by several layers: the second layer (other values, same
-    # batch layout) reuses the first layer's slot tables and still gets its own rule.
-    step = object()
+    # Layers of one step alternating between two metadata objects (two KV-cache groups with other
+    # slots), then a new step whose metadata reuses the first one's layout with other slots: each
+    # layer must get its own group's tables, built once per object and step.
+    built = []
+    real_build = torch.Tensor.contiguous
+
+    def counting(self, *args, **kwargs):
+        built.append(tuple(self.shape))
+        return real_build(self, *args, **kwargs)
+
     results = []
-    for seed in (1, 2):
-        inputs = raw_batch([5, 1, 9, 0], [True, False, True, False], "cpu", seed=seed)
-        inputs["state_indices"] = torch.tensor([4, 2, 5, 0], dtype=torch.int32)
-        o_ref, after_ref = in_place_reference(inputs)
-        state = inputs["ssm_state"]
-        o = upstream_gdn.gated_delta_in_place(**inputs, metadata=step)
-        results.append(max((o - o_ref).abs().max().item(), (state[1:] - after_ref[1:]).abs().max().item()))
+    groups = {"A": [4, 2, 5, 0], "B": [1, 6, 3, 0]}
+    metadata = {name: object() for name in groups}
+    torch.Tensor.contiguous = counting
+    try:
+        for step, order in ((object(), "ABAB"), (object(), "BA")):
+            for layer, name in enumerate(order):
+                inputs = raw_batch([5, 1, 9, 0], [True, False, True, False], "cpu", seed=layer)
+                inputs["state_indices"] = torch.tensor(groups[name], dtype=torch.int32)
+                o_ref, after_ref = in_place_reference(inputs)
+                state = inputs["ssm_state"]
+                o = upstream_gdn.gated_delta_in_place(**inputs, metadata=metadata[name], step=step)
+                results.append(
+                    max((o - o_ref).abs().max().item(), (state[1:] - after_ref[1:]).abs().max().item())
+                )
+            if step is not None:
+                groups["A"] = [2, 5, 4, 0]  # the next step's batch: same objects' layout, other slots
+                metadata["A"] = object()
+    finally:
+        torch.Tensor.contiguous = real_build
     found["shared_step_err"] = max(results)
+    found["tables_built"] = sum(1 for shape in built if shape == (4, 15))
     return found
 
 

@@ -49,7 +49,11 @@ def test_in_place_path_is_the_gated_delta_rule_on_the_state_cache(found, case):
 
 
 def test_in_place_path_shares_one_steps_tables_between_layers(found):
+    """Layers alternating between two KV-cache groups' metadata in one step, then a new step: every
+    layer gets the rule on its own group's slots, and the tables are built once per group and step
+    (2 + 2), not once per layer (6)."""
     assert found["in_place"]["shared_step_err"] < 1e-5, found["in_place"]["shared_step_err"]
+    assert found["in_place"]["tables_built"] == 4, found["in_place"]["tables_built"]
 
 
 def test_in_place_path_takes_only_short_prefill_batches():

@@ -116,3 +116,21 @@ def test_sub_block_hit_inside_compression_block(case):
     assert cached["second_turn"] == len(prompts["first"]) - 1, cached
     assert cached["second_turn"] % ratio != 0 and cached["second_turn"] % block != 0
     check(got, off, expected)
+
+
+def test_fp8_cache_hits_match_a_cold_fp8_engine(case):
+    """The FP8 QSA cache (the RTX 3090's) with prefix caching: a hit reads the E4M3 codes an earlier
+    request wrote and must give the tokens of an FP8 engine without caching (scales 1.0, no sidecar:
+    both engines quantise alike, so the caches hold the same codes)."""
+    from tests.qsa_kv.helpers import QSA_ENV, patched_env
+
+    path, prompts, _, _, _ = case
+    with patched_env(**dict.fromkeys(QSA_ENV)):
+        off, off_cached, _ = run_in_order(path, prompts, enable_prefix_caching=False, kv_cache_dtype="fp8")
+        got, cached, block = run_in_order(path, prompts, enable_prefix_caching=True, kv_cache_dtype="fp8")
+    assert not any(off_cached.values())
+    assert cached["first"] == 0
+    for name in ("again", "other_suffix", "short_suffix", "second_turn"):
+        assert cached[name] >= 2 * block, f"{name}: {cached[name]} cached tokens, expected a hit"
+    differs = {name: (got[name], off[name]) for name in prompts if got[name] != off[name]}
+    assert not differs, f"FP8 cache hits differ from a cold FP8 engine: {differs}"

@@ -329,11 +329,12 @@ def install() -> bool:
             "model/vllm_adapter/upstream_gdn.py against vllm/model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py"
         )
 
+    _install_core()  # first: it may refuse, and then nothing is patched
     cls.forward_native = forward_native
-    _install_core()
     setattr(cls, _PATCHED, True)
     logger.info(
-        "GDN prefills of up to %d tokens run FLA's fused recurrent kernel (model/vllm_adapter/upstream_gdn.py)",
+        "GDN prefills of up to %d tokens run FLA's recurrent kernels, steps of prefills only in place on "
+        "the state cache (model/vllm_adapter/upstream_gdn.py)",
         limit,
     )
     return True

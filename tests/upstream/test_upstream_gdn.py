@@ -149,3 +149,25 @@ def test_install_refuses_a_changed_upstream_signature(monkeypatch):
     with pytest.raises(RuntimeError, match="forward_native changed its parameters"):
         upstream_gdn.install()
     assert ChunkGatedDeltaRule.forward_native is changed
+
+
+def test_install_refuses_a_changed_forward_core_and_patches_nothing(monkeypatch):
+    """The in-place path wraps ``QwenGatedDeltaNetAttention._forward_core`` and calls it positionally:
+    another signature stops the install before either method is replaced."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        ChunkGatedDeltaRule,
+        QwenGatedDeltaNetAttention,
+    )
+
+    from model.vllm_adapter import upstream_gdn
+
+    def changed(self, mixed_qkv, b, a, core_attn_out, extra=None):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(QwenGatedDeltaNetAttention, "_forward_core", changed)
+    monkeypatch.delattr(ChunkGatedDeltaRule, upstream_gdn._PATCHED, raising=False)
+    native = ChunkGatedDeltaRule.forward_native
+    with pytest.raises(RuntimeError, match="_forward_core changed its parameters"):
+        upstream_gdn.install()
+    assert QwenGatedDeltaNetAttention._forward_core is changed
+    assert ChunkGatedDeltaRule.forward_native is native

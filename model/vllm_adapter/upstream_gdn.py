@@ -139,8 +139,8 @@ def _step_tables(
     slots to zero first (a new sequence's slot; ``0``, vLLM's null block, for the others), built once
     per metadata object and step. Why per object and not one entry: the tenth H200 run's profile built
     them in all 30 GDN layers of a step (~0.13-0.26 ms of host time each under the profiler), so
-    consecutive GDN layers do not share one metadata object; a step's KV-cache groups each have their
-    own, and the layers alternate between the groups. The cache holds every object it keyed on until
+    consecutive GDN layers do not share one metadata object (presumably one per KV-cache group, the
+    layers alternating between the groups; not verified). The cache holds every object it keyed on until
     the step (``step``, the forward context) changes, so an id is never reused within it. Without a
     step (a direct call) nothing is cached."""
     if step is not None and metadata is not None:

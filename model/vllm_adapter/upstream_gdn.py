@@ -123,38 +123,34 @@ def recurrent_prefill(
     return o, states[1:]
 
 
-# The step the tables below were built in (its forward context), and per metadata object of that
-# step: (the object, tokens, (slot table, fresh slots)). Dropped when the next step begins.
-_step_cache: list = [None, {}]
+_TABLES = "_qwen4exp_slot_tables"  # attribute of a step's GDN metadata object holding its tables
 
 
-def _step_tables(
-    step: object | None,
-    metadata: object | None,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    num_tokens: int,
+def build_tables(
+    state_indices: torch.Tensor, has_initial_state: torch.Tensor, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The slot table (``[N, num_tokens]`` int32, row ``i`` all sequence ``i``'s state slot) and the
-    slots to zero first (a new sequence's slot; ``0``, vLLM's null block, for the others), built once
-    per metadata object and step. Why per object and not one entry: the tenth H200 run's profile built
-    them in all 30 GDN layers of a step (~0.13-0.26 ms of host time each under the profiler), so
-    consecutive GDN layers do not share one metadata object (presumably one per KV-cache group, the
-    layers alternating between the groups; not verified). The cache holds every object it keyed on until
-    the step (``step``, the forward context) changes, so an id is never reused within it. Without a
-    step (a direct call) nothing is cached."""
-    if step is not None and metadata is not None:
-        if _step_cache[0] is not step:
-            _step_cache[:] = [step, {}]
-        hit = _step_cache[1].get(id(metadata))
-        if hit is not None and hit[0] is metadata and hit[1] == num_tokens:
-            return hit[2]
+    slots to zero first (a new sequence's slot; ``0``, vLLM's null block, for the others)."""
     slots = state_indices.to(torch.int32)
     table = slots[:, None].expand(-1, num_tokens).contiguous()
     fresh = torch.where(has_initial_state, 0, state_indices).long()  # index_fill_ wants int64
-    if step is not None and metadata is not None:
-        _step_cache[1][id(metadata)] = (metadata, num_tokens, (table, fresh))
     return table, fresh
+
+
+def _tables(metadata, state_indices, has_initial_state, num_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`build_tables`, kept on the step's metadata object so that the GDN layers sharing it
+    build them once (vLLM's GDN builder makes a new object every step and never changes one). The
+    tenth H200 run's profile built them in all 30 layers (~0.13-0.26 ms of host time each under the
+    profiler) with a one-entry cache: consecutive GDN layers do not share one metadata object
+    (presumably one per KV-cache group, the layers alternating between the groups; not verified).
+    Without metadata (a direct call) nothing is kept."""
+    if metadata is None:
+        return build_tables(state_indices, has_initial_state, num_tokens)
+    tables = getattr(metadata, _TABLES, None)
+    if tables is None:
+        tables = build_tables(state_indices, has_initial_state, num_tokens)
+        setattr(metadata, _TABLES, tables)
+    return tables
 
 
 def gated_delta_in_place(
@@ -170,7 +166,6 @@ def gated_delta_in_place(
     has_initial_state: torch.Tensor,
     cu_seqlens: torch.Tensor,
     metadata: object = None,
-    step: object = None,
 ) -> torch.Tensor:
     """A short prefill batch's gated delta rule straight on vLLM's state cache; returns ``o``.
 
@@ -181,16 +176,16 @@ def gated_delta_in_place(
     ``has_initial_state`` starts from zeros, as upstream's chunked call does. The kernel computes
     ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)`` and the L2 norms in fp32 (upstream's
     separate gating launch rounds q and k to bf16 first) and steps the recurrence token by token,
-    storing each token's state in its sequence's slot, so the last one stays. ``metadata`` and ``step``
-    (the forward context): to build the slot tables once per metadata object and step
-    (:func:`_step_tables`). No host sync.
+    storing each token's state in its sequence's slot, so the last one stays. ``metadata``: the step's
+    metadata object, to build the slot tables once for the layers sharing it (:func:`_tables`). No
+    host sync.
     """
     from vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating import (
         fused_sigmoid_gating_delta_rule_update,
     )
 
     num_tokens = q.shape[1]
-    table, fresh = _step_tables(step, metadata, state_indices, has_initial_state, num_tokens)
+    table, fresh = _tables(metadata, state_indices, has_initial_state, num_tokens)
     ssm_state.index_fill_(0, fresh, 0)  # slot 0 is vLLM's null block: no sequence reads it
     o, _ = fused_sigmoid_gating_delta_rule_update(
         A_log=A_log,
@@ -212,23 +207,22 @@ def gated_delta_in_place(
 def takes_in_place_path(layer: object, metadata: object) -> bool:
     """Whether a GDN layer's step is a batch of short prefills only, on the Triton prefill backend,
     that :func:`short_prefill_core` computes; everything else keeps upstream's ``_forward_core``.
-    Host-side fields only (no sync)."""
-    return bool(
+    Host-side fields only (no sync); a field upstream renamed fails here, loudly."""
+    return (
         _enabled
-        and getattr(layer, "gdn_prefill_backend", None) == "triton"
         and metadata is not None
-        and getattr(metadata, "spec_sequence_masks", 1) is None
-        and getattr(metadata, "num_decodes", 1) == 0
-        and getattr(metadata, "num_prefills", 0) > 0
-        and getattr(metadata, "num_prefill_tokens", -1) == getattr(metadata, "num_actual_tokens", -2)
-        and getattr(metadata, "num_actual_tokens", 1 << 30) <= short_prefill_limit()
-        and getattr(metadata, "prefill_state_indices", None) is not None
-        and getattr(metadata, "prefill_has_initial_state", None) is not None
-        and getattr(metadata, "prefill_query_start_loc", None) is not None
+        and layer.gdn_prefill_backend == "triton"
+        and metadata.spec_sequence_masks is None
+        and metadata.num_decodes == 0
+        and metadata.num_prefills > 0
+        and metadata.num_prefill_tokens == metadata.num_actual_tokens <= short_prefill_limit()
+        and metadata.prefill_state_indices is not None
+        and metadata.prefill_has_initial_state is not None
+        and metadata.prefill_query_start_loc is not None
     )
 
 
-def short_prefill_core(layer, mixed_qkv, b, a, core_attn_out, metadata, step=None) -> None:
+def short_prefill_core(layer, mixed_qkv, b, a, core_attn_out, metadata) -> None:
     """What upstream's ``_forward_core`` does for a batch of short prefills, in fewer launches:
     its causal convolution (the same call), then :func:`gated_delta_in_place` instead of its gating
     launch, state gather, chunked kernel and state scatter."""
@@ -265,7 +259,6 @@ def short_prefill_core(layer, mixed_qkv, b, a, core_attn_out, metadata, step=Non
         metadata.prefill_has_initial_state,
         metadata.prefill_query_start_loc,
         metadata=metadata,
-        step=step,
     )
     core_attn_out[:num_tokens] = o.squeeze(0)
 
@@ -354,11 +347,10 @@ def _install_core() -> None:
 
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
         nonlocal warmed
-        context = get_forward_context()
-        raw = context.attn_metadata
+        raw = get_forward_context().attn_metadata
         metadata = raw.get(self.prefix) if isinstance(raw, dict) else None
         if takes_in_place_path(self, metadata):
-            return short_prefill_core(self, mixed_qkv, b, a, core_attn_out, metadata, step=context)
+            return short_prefill_core(self, mixed_qkv, b, a, core_attn_out, metadata)
         if (
             metadata is None
             and not warmed
@@ -387,6 +379,6 @@ def _warm_up(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -
     q, k, v = layer.rearrange_mixed_qkv(mixed_qkv[:8])
     one = torch.ones(1, dtype=torch.int32, device=mixed_qkv.device)
     gated_delta_in_place(
-        q, k, v, a[:8].contiguous(), b[:8].contiguous(), layer.A_log, layer.dt_bias, state,
+        q, k, v, a[:8], b[:8], layer.A_log, layer.dt_bias, state,
         one, one.bool(), torch.tensor([0, 8], dtype=torch.int32, device=mixed_qkv.device),
     )  # fmt: skip

@@ -49,11 +49,23 @@ def test_in_place_path_is_the_gated_delta_rule_on_the_state_cache(found, case):
 
 
 def test_in_place_path_shares_one_steps_tables_between_layers(found):
-    """Layers alternating between two KV-cache groups' metadata in one step, then a new step: every
-    layer gets the rule on its own group's slots, and the tables are built once per group and step
-    (2 + 2), not once per layer (6)."""
+    """Layers alternating between two KV-cache groups' metadata objects in one step, then a new
+    step's objects: every layer gets the rule on its own group's slots, and the tables are built once
+    per object (2 + 2), not once per layer (6)."""
     assert found["in_place"]["shared_step_err"] < 1e-5, found["in_place"]["shared_step_err"]
     assert found["in_place"]["tables_built"] == 4, found["in_place"]["tables_built"]
+
+
+def test_gdn_metadata_can_keep_the_slot_tables():
+    """The in-place path keeps a step's slot tables on vLLM's GDN metadata object: a frozen or
+    slotted dataclass would refuse the attribute."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    assert dataclasses.is_dataclass(GDNAttentionMetadata)
+    assert not GDNAttentionMetadata.__dataclass_params__.frozen
+    assert "__slots__" not in GDNAttentionMetadata.__dict__
 
 
 def test_in_place_path_takes_only_short_prefill_batches():

@@ -339,6 +339,8 @@ def test_upstream_quantized_weights_equal_their_twin(name, tmp_path):
     assert indexer in runs[False]["kernels"] and indexer in runs[True]["kernels"], "same layer structure"
     problems = kernel_problems(runs[False]["kernels"], tmp_path / "ckpt-False", fmt)
     problems += compare(twin_logprobs(runs[False]), twin_logprobs(runs[True]))
+    # Printed before the assertion: a stream cut by its limit never reaches pytest's summary.
+    print(f"upstream {name}: {len(problems)} problem(s)", *problems, sep="\n", flush=True)
     assert not problems, "\n".join(problems)
 
 

@@ -4,6 +4,7 @@ Usage::
 
     python -m model.quantize --format w4a16 --src checkpoints/tiny --out checkpoints/tiny-w4a16
     python -m model.quantize --format fp8-block --src checkpoints/tiny --out checkpoints/tiny-fp8
+    python -m model.quantize --format gptq --src checkpoints/tiny --out checkpoints/tiny-gptq
     python -m model.quantize ... --dequantized     # the bf16 twin holding the dequantized values
 
 Why these two formats: they are what a 3090 user runs. 4-bit weights (``pack-quantized``, symmetric
@@ -11,7 +12,9 @@ int4 with one bf16 scale per group of input channels) run through Marlin W4A16 o
 block-scaled weights (``float-quantized``, E4M3 with one fp32 scale per ``block x block`` tile and
 dynamic per-token-group FP8 activations, the layout of published Qwen FP8 checkpoints) run on sm_86
 as W8A16 through Marlin (no FP8 math on Ampere). vLLM reads both through its compressed-tensors
-integration, so the checkpoint carries a standard ``quantization_config``.
+integration, so the checkpoint carries a standard ``quantization_config``. ``gptq`` and ``awq``
+write the same int4 weights in the layouts AutoGPTQ and AutoAWQ publish (``model.quantize_gptq_awq``),
+the other 4-bit checkpoints a user brings.
 
 What is quantized (``--scope``): ``experts`` = the routed experts only (what makes the real model
 fit 4x24 GB); ``dense`` = the dense projections only (attention q/k/v/o, GDN in_proj_qkv/in_proj_z/
@@ -47,7 +50,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-FORMATS = ("w4a16", "fp8-block")
+from model.quantize_gptq_awq import (
+    NATIVE_FORMATS,
+    native_quantization_config,
+    quantize_native,
+    unquantized_substrings,
+)
+
+FORMATS = ("w4a16", "fp8-block", *NATIVE_FORMATS)
 SCOPES = ("experts", "dense", "all")
 SCALE_MODES = ("absmax", "pow2")
 
@@ -310,7 +320,7 @@ def convert_checkpoint(
         raise ValueError(f"{src}: no {scope} projections found to quantize")
     rank_shapes = per_rank_shapes(mods, [shapes[f"{m}.weight"] for m in mods], tp)
     plan = Plan(fmt, scope, choose_group(rank_shapes, fmt, group_size), scales)
-    sch = scheme(plan)
+    sch = None if fmt in NATIVE_FORMATS else scheme(plan)
     wanted = set(mods)
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
@@ -323,7 +333,10 @@ def convert_checkpoint(
         for name, tensor in tensors.items():
             module = name.removesuffix(".weight")
             if module in wanted and name.endswith(".weight"):
-                packed, restored = quantize_weight(tensor, plan, sch)
+                if fmt in NATIVE_FORMATS:
+                    packed, restored = quantize_native(tensor, fmt, plan.group, scales, module)
+                else:
+                    packed, restored = quantize_weight(tensor, plan, sch)
                 if dequantized:
                     result[name] = restored.contiguous()
                 else:
@@ -340,7 +353,11 @@ def convert_checkpoint(
         index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     config.pop("quantization_config", None)
-    if not dequantized:
+    if not dequantized and fmt in NATIVE_FORMATS:
+        config["quantization_config"] = native_quantization_config(
+            fmt, plan.group, unquantized_substrings(scope)
+        )
+    elif not dequantized:
         config["quantization_config"] = quantization_config(plan, ignored(names, wanted), mods)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "QUANTIZED").write_text(

@@ -53,6 +53,7 @@ from safetensors.torch import save_file
 from model.quantize_gptq_awq import (
     NATIVE_FORMATS,
     native_quantization_config,
+    pow2_up,
     quantize_native,
     unquantized_substrings,
 )
@@ -145,10 +146,6 @@ def choose_group(shapes: list[tuple[int, int]], fmt: str, requested: int | None)
     raise ValueError(f"no group size in {GROUP_CHOICES} divides the target dims {sorted(set(dims))}")
 
 
-def _pow2_up(scale: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(torch.ceil(torch.log2(scale.float().clamp_min(2.0**-100))))
-
-
 def scheme(plan: Plan):
     """The compressed-tensors scheme of the quantized modules."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -190,7 +187,7 @@ def _scale(weight: torch.Tensor, plan: Plan, args) -> torch.Tensor:
     scale, _ = calculate_qparams(lo, hi, args)
     scale = scale.clamp_min(torch.finfo(torch.bfloat16).tiny)
     if plan.scales == "pow2":
-        scale = _pow2_up(scale)
+        scale = pow2_up(scale)
     return scale.to(dtype)
 
 

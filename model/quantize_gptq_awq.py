@@ -18,7 +18,8 @@ Layouts, for a ``[N, K]`` (out, in) weight and groups of ``g`` input channels:
   Dequantized: ``(code - zero) * scale``.
 
 Scales are fp16 in both layouts (their loaders allocate them in the activation dtype, and fp16 is
-what the tools write): a scale outside fp16's normal range is refused rather than rounded.
+what the tools write): a scale above fp16's range is refused rather than rounded; one below its
+smallest normal is raised to it (the group's weights are then below fp16's resolution anyway).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ _FP16_TINY = torch.finfo(torch.float16).tiny
 _FP16_MAX = torch.finfo(torch.float16).max
 
 
-def _pow2_up(scale: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(torch.ceil(torch.log2(scale.clamp_min(2.0**-100))))
+def pow2_up(scale: torch.Tensor) -> torch.Tensor:
+    """Each scale rounded up to a power of two: dequantized values are then exact in bf16."""
+    return torch.exp2(torch.ceil(torch.log2(scale.float().clamp_min(2.0**-100))))
 
 
 def _checked_fp16(scale: torch.Tensor, module: str) -> torch.Tensor:
@@ -56,20 +58,20 @@ def quantize_native(
         raise ValueError(f"unknown native 4-bit format {fmt!r}; expected one of {NATIVE_FORMATS}")
     w = weight.float()
     n, k = w.shape
-    if k % group or (fmt == "awq" and n % 8) or k % 8:
+    if k % group or k % 8 or n % 8:  # both layouts pack zeros (AWQ: codes too) eight columns a word
         raise ValueError(f"{module}: shape [{n}, {k}] does not tile into groups of {group} and words of 8")
     tiles = w.view(n, k // group, group)
     if fmt == "gptq":
         # Symmetric: codes 0..15 around the zero 8, the scale from the group's absmax.
         scale = tiles.abs().amax(-1) / 7.0
-        scale = _pow2_up(scale) if scales == "pow2" else scale
+        scale = pow2_up(scale) if scales == "pow2" else scale
         scale = _checked_fp16(scale.clamp_min(_FP16_TINY), module).float()
         zero = torch.full_like(scale, 8.0)
     else:
         # Asymmetric, as AutoAWQ quantizes: the group's [min, max] (with 0 inside) over 15 steps.
         lo, hi = tiles.amin(-1).clamp_max(0.0), tiles.amax(-1).clamp_min(0.0)
         scale = ((hi - lo) / 15.0).clamp_min(_FP16_TINY)
-        scale = _pow2_up(scale) if scales == "pow2" else scale
+        scale = pow2_up(scale) if scales == "pow2" else scale
         scale = _checked_fp16(scale, module).float()
         zero = torch.round(-lo / scale).clamp(0, 15)
     codes = (torch.round(tiles / scale[..., None]) + zero[..., None]).clamp(0, 15)

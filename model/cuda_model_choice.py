@@ -68,14 +68,6 @@ def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return text if isinstance(text, Mapping) else config
 
 
-def _quant_method(config: Mapping[str, Any]) -> str | None:
-    for part in (config, _text_config(config)):
-        qc = part.get("quantization_config")
-        if isinstance(qc, Mapping) and qc.get("quant_method"):
-            return str(qc["quant_method"]).strip().lower()
-    return None
-
-
 def _has_qsa_layers(text: Mapping[str, Any]) -> bool:
     layer_types = text.get("layer_types")
     return not isinstance(layer_types, list) or "indexed_attention" in layer_types
@@ -89,7 +81,6 @@ def problems_for_upstream(
     capability: tuple[int, int] | None,
     kv_cache_dtype: str,
     v2_runner: bool,
-    quantization: str | None = None,
     indexer_kv_dtype: str | None = None,
     ple_cpu_offload: bool | None = None,
     shared_memory_per_block: int | None = None,
@@ -100,7 +91,6 @@ def problems_for_upstream(
     fields); ``env``: the environment; ``cuda``: vLLM runs on its CUDA platform (False on its CPU
     build); ``capability``: the GPU's compute capability, None if unknown; ``kv_cache_dtype``:
     vLLM's ``cache_config.cache_dtype``; ``v2_runner``: vLLM picked Model Runner V2;
-    ``quantization``: vLLM's resolved method (e.g. ``awq_marlin``), besides config.json's;
     ``indexer_kv_dtype``: vLLM's ``attention_config.indexer_kv_dtype``; ``ple_cpu_offload``: vLLM's
     ``engram_config.cpu_offload``, where upstream keeps its PLE tables (None: no engram config);
     ``shared_memory_per_block``: the GPU's opt-in shared memory per block in bytes (None: unknown).
@@ -206,16 +196,6 @@ def problems_for_upstream(
         ple_format.table_format_of(text)
     except ValueError as exc:
         problems.append(f"{exc}; fix: correct config.json, or {USE_OURS}")
-    for source, method in (
-        ("config.json quantization_config.quant_method", _quant_method(config)),
-        ("--quantization", quantization),
-    ):
-        if method and method.strip().lower().split("_")[0] in ("awq", "gptq"):
-            problems.append(
-                f"{source}={method!r}: AWQ/GPTQ checkpoints have not been verified through upstream's "
-                f"model; fix: {USE_OURS}"
-            )
-            break
     return problems
 
 
@@ -330,7 +310,6 @@ def upstream_problems(
         # The property vLLM's workers and scheduler read: VLLM_USE_V2_MODEL_RUNNER if set, else V2
         # unless Triton or a feature V2 lacks forces V1.
         v2_runner=bool(vllm_config.use_v2_model_runner),
-        quantization=getattr(model_config, "quantization", None),
         indexer_kv_dtype=str(
             getattr(getattr(vllm_config, "attention_config", None), "indexer_kv_dtype", "auto")
         ),

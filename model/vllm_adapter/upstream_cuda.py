@@ -22,8 +22,10 @@ recurrent kernel on the Triton path (the 3090's), one launch instead of ~8.
 From :mod:`model.vllm_adapter.upstream_ple`: our FP8 E4M3 and NVFP4 PLE tables (``model.ple_format``),
 decoded exactly as ours decodes them, and PLE tables kept away from the weight quantizer (so AWQ/GPTQ
 configs construct). With any weight quantization the QSA indexer projection stays its own
-(unquantized) layer, as our checkpoints keep it. Still refused until shown on a GPU: AWQ/GPTQ
-checkpoints.
+(unquantized) layer, as our checkpoints keep it; a quantization config that would quantize it stops
+start-up, as on ours. AWQ and GPTQ checkpoints (the AutoAWQ / AutoGPTQ layouts, written by
+``python -m model.quantize --format awq|gptq``) load through vLLM's own configs and Marlin kernels,
+checked against their bf16 twins on the H200 (``tests/gpu/test_upstream_cuda.py``).
 
 Upstream also needs settings ours does not: Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``),
 ``output_gate_type`` written in config.json, and a QSA top-k of 512, 1024 or 2048 blocks; those are
@@ -68,6 +70,7 @@ else:
     )
 
     from model import envs
+    from model.quant_checks import check_must_stay_unquantized
     from model.vllm_adapter import upstream_gdn, upstream_kernels, upstream_ple, upstream_qsa
 
     # Before any model is built: upstream's decoder layers then construct our QSA owner, and its
@@ -81,6 +84,14 @@ else:
     if envs.read(envs.GDN_SHORT_PREFILL):
         upstream_gdn.install()
 
+    def _refuse_quantized_indexer(model, vllm_config) -> None:
+        """A checkpoint whose quantization config reaches the QSA indexer projection stops start-up,
+        as it does on ours (``model.quant_checks``): token selection must not move with the weight
+        format. Our subclass keeps that projection its own layer under any weight quantization, so
+        an AWQ/GPTQ/compressed-tensors config that does not exclude it would quantize it."""
+        quant_config = vllm_config.quant_config
+        check_must_stay_unquantized(model, None if quant_config is None else quant_config.get_name())
+
     class Qwen4ExpForCausalLM(_UpstreamForCausalLM):
         """Upstream's text model; refuses, before building anything, what upstream cannot serve
         (see the module docstring for the list and what this class will gain)."""
@@ -92,6 +103,7 @@ else:
             if captures_cuda_graphs(vllm_config):
                 upstream_kernels.refuse_missing_graph_breaks()
             super().__init__(vllm_config=vllm_config, prefix=prefix)
+            _refuse_quantized_indexer(self, vllm_config)
 
     class Qwen4ExpForConditionalGeneration(_UpstreamForConditionalGeneration):
         """Upstream's vision-language model (its multimodal processor is inherited); refuses what
@@ -106,3 +118,4 @@ else:
             if captures_cuda_graphs(vllm_config):
                 upstream_kernels.refuse_missing_graph_breaks()
             super().__init__(vllm_config=vllm_config, prefix=prefix)
+            _refuse_quantized_indexer(self, vllm_config)

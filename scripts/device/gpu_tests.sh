@@ -5,7 +5,8 @@
 # and (named in STREAMS) the service's CUDA default (upstream) on qsa512, the kernel judges +
 # batched QSA selection, prefix caching on CUDA, and upstream (vLLM's own Qwen4-Exp with our FP8 subclass, plus tests/upstream on the CUDA build).
 # Logs and a summary go to $1. STREAMS picks the streams (default "parity service marlin");
-# PARITY_K/PARITY_CORES, MARLIN_K, KERNELS_TESTS, UPSTREAM_K/UPSTREAM_CORES and *_S (limits) narrow or move one.
+# PARITY_K/PARITY_CORES, MARLIN_K, KERNELS_TESTS, UPSTREAM_K/UPSTREAM_CORES, UPSTREAM_QUANT_K,
+# UPSTREAM_NATIVE_K and *_S (limits) narrow or move one.
 set -uo pipefail
 out=${1:?log dir}; mkdir -p "$out"
 cd "$(dirname "$0")/../.."
@@ -33,7 +34,10 @@ kernel_tests="tests/gpu/test_ple_gather.py tests/gpu/test_qsa_clip.py tests/gpu/
 { want kernels && stream kernels 3-4 "${KERNELS_S:-300}" ${KERNELS_TESTS:-$kernel_tests}
   # then, on the same cores: quantized weights and our PLE formats through upstream.
   want upstream_quant && stream upstream_quant 3-4 "${UPSTREAM_QUANT_S:-900}" tests/gpu/test_upstream_cuda.py \
-  -k "quantized or ple_table"; } &
+  -k "${UPSTREAM_QUANT_K:-quantized or ple_table}"; } &
+# the AutoGPTQ / AutoAWQ layouts through upstream (Marlin), and its refusal of a quantized indexer.
+want upstream_native && stream upstream_native 12-15 "${UPSTREAM_NATIVE_S:-900}" tests/gpu/test_upstream_cuda.py \
+  -k "${UPSTREAM_NATIVE_K:-gptq or awq or quantized_indexer}" &
 want prefix && stream prefix 5 "${PREFIX_S:-420}" tests/gpu/test_prefix_cache_cuda.py &
 # vLLM's own Qwen4-Exp through our subclass (its children set Model Runner V2 themselves).
 want upstream && stream upstream "${UPSTREAM_CORES:-0-2}" "${UPSTREAM_S:-900}" tests/gpu/test_upstream_cuda.py tests/upstream \

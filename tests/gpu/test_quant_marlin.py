@@ -78,6 +78,16 @@ SM86_ENV = {
 NOT_ON_SM86 = ("Machete", "CutlassW4A8", "Humming", "DeepGemm", "FlashInfer", "TrtLlm", "Cutlass")
 
 
+# int4 weight formats (model.quantize) -> vLLM's linear methods that quantize them, as they appear in
+# a kernel record (AWQ's include its non-Marlin AutoAWQLinearMethod, which a 3090 must not take).
+INT4_LINEAR_METHODS = {
+    "w4a16": re.compile(r"CompressedTensorsWNA16/"),
+    "gptq": re.compile(r"AutoGPTQLinearMethod"),
+    "awq": re.compile(r"AutoAWQ\w*LinearMethod"),
+}
+INT4_FORMATS = tuple(INT4_LINEAR_METHODS)
+
+
 def sm86_engine_args(fmt: str | None) -> dict:
     """Engine arguments that make an sm_90 GPU take the sm_86 MoE path for ``fmt`` (None: the twin)."""
     return {"moe_backend": "marlin"} if fmt == "fp8-block" else {}
@@ -121,11 +131,10 @@ def kernel_problems(record: dict[str, str], path: Path, fmt: str | None) -> list
     marlin_moe = (
         hidden % 128 == 0
     )  # int_wna16.py:234-236 -> marlin_utils.py:378 (check_moe_marlin_supports_config)
-    want_moe = {
-        None: "TritonExperts",
-        "w4a16": "MarlinExperts" if marlin_moe else "TritonWNA16Experts",
-        "fp8-block": "MarlinExperts",
-    }[fmt]
+    int4_moe = "MarlinExperts" if marlin_moe else "TritonWNA16Experts"
+    want_moe = {None: "TritonExperts", "fp8-block": "MarlinExperts", **dict.fromkeys(INT4_FORMATS, int4_moe)}[
+        fmt
+    ]
     problems = [
         f"{k}: {v} is not an sm_86 kernel" for k, v in record.items() if any(b in v for b in NOT_ON_SM86)
     ]
@@ -133,14 +142,14 @@ def kernel_problems(record: dict[str, str], path: Path, fmt: str | None) -> list
     if not moe:
         problems.append("no MoE layer in the kernel record")
     problems += [f"{k}: {v}, a 3090 runs {want_moe}" for k, v in moe.items() if not v.endswith(want_moe)]
-    if fmt == "w4a16":
+    if fmt in INT4_FORMATS:
         allowed = (
             ("MarlinLinearKernel",)
             if hidden % 128 == 0
             else ("MarlinLinearKernel", "TritonW4A16LinearKernel")
         )
         for k, v in record.items():
-            if "CompressedTensorsWNA16/" in v and not all(
+            if INT4_LINEAR_METHODS[fmt].search(v) and not all(
                 any(a in one for a in allowed) for one in v.split(" | ")
             ):
                 problems.append(f"{k}: {v}, a 3090 runs {' or '.join(allowed)}")

@@ -292,6 +292,10 @@ QUANT_PAIRS = {
     "w4a16-experts": ("w4a16", "experts", None),
     "w4a16-all": ("w4a16", "all", None),
     "fp8-experts": ("fp8-block", "experts", None),
+    # The layouts AutoGPTQ and AutoAWQ publish (model.quantize_gptq_awq), experts and dense
+    # projections alike: vLLM's auto_gptq / auto_awq configs, Marlin linears and Marlin MoE.
+    "gptq-all": ("gptq", "all", None),
+    "awq-all": ("awq", "all", None),
 }
 PLE_FORMATS = ("nvfp4", "fp8_e4m3")
 
@@ -344,6 +348,23 @@ def test_upstream_quantized_weights_equal_their_twin(name, tmp_path):
     if problems:
         diagnose_divergence(tmp_path, tmp_path / "ckpt-False", fmt, problems, runs[True])
     assert not problems, "\n".join(problems)
+
+
+def test_upstream_refuses_a_quantized_indexer(tmp_path):
+    """An AWQ config that does not exclude the QSA indexer (as a checkpoint quantized by a tool
+    that knows nothing of it would be) stops start-up naming the indexer, before any weight loads."""
+    from model.quantize import convert_checkpoint
+
+    ckpt = convert_checkpoint(
+        ensure_checkpoint("qsa512"), tmp_path / "ckpt", "awq", scope="all", scales="pow2"
+    )
+    config = json.loads((ckpt / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["modules_to_not_convert"] = [m for m in qc["modules_to_not_convert"] if "indexer" not in m]
+    (ckpt / "config.json").write_text(json.dumps(config, indent=2))
+    got = run_upstream(tmp_path / "run", ckpt, {"short": [5, 6, 7]}, **SM86_ENV)
+    assert "the QSA indexer must stay in bf16" in got.get("error", ""), got.get("error") or got["log_tail"]
+    assert "index_qk_proj" in got["error"]
 
 
 def diagnose_divergence(tmp_path: Path, ckpt: Path, fmt: str, problems: list[str], twin: dict) -> None:

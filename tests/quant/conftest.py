@@ -15,6 +15,8 @@ CASES = {
     "tiny-w4a16": ("tiny", "w4a16", "experts"),
     "tiny-fp8": ("tiny", "fp8-block", "experts"),
     "tiny-w4a16-dense": ("tiny", "w4a16", "dense"),
+    "tiny-gptq-dense": ("tiny", "gptq", "dense"),
+    "tiny-awq-dense": ("tiny", "awq", "dense"),
     "wide-w4a16": ("wide", "w4a16", "all"),
     "wide-fp8": ("wide", "fp8-block", "experts"),
 }

@@ -34,6 +34,8 @@ from tests.parity.prompts import parity_prompts
 from .parity import compare, greedy_with_logprobs
 
 MAX_NEW_TOKENS = 16
+# int4 dense linears in the three layouts a user brings: compressed-tensors, AutoGPTQ, AutoAWQ.
+DENSE_INT4_CASES = ("tiny-w4a16-dense", "tiny-gptq-dense", "tiny-awq-dense")
 
 
 def _has_op(op: str) -> bool:
@@ -49,7 +51,7 @@ def _why_not(case: str, path) -> str | None:
     amx = torch.cpu._is_amx_tile_supported()
     if case == "tiny-w4a16" and not amx:
         return "int4 MoE on vLLM's CPU build needs AMX (CPUExpertsInt4, fused_moe/experts/cpu_moe.py:840-844)"
-    if case == "tiny-w4a16-dense" and not _has_op("cpu_gemm_wna16"):
+    if case in DENSE_INT4_CASES and not _has_op("cpu_gemm_wna16"):
         return "int4 linears need torch.ops._C.cpu_gemm_wna16, absent from the AVX2 CPU library (platforms/cpu.py:655-657)"
     if case == "tiny-fp8":
         if not amx:
@@ -64,7 +66,7 @@ def _why_not(case: str, path) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("case", ["tiny-w4a16", "tiny-w4a16-dense", "tiny-fp8"])
+@pytest.mark.parametrize("case", ["tiny-w4a16", *DENSE_INT4_CASES, "tiny-fp8"])
 def test_quantized_generation_equals_dequantized_twin_on_cpu(quant_checkpoints, case):
     why = _why_not(case, quant_checkpoints[case])
     if why:

@@ -77,7 +77,7 @@ def test_quantized_generation_equals_dequantized_twin_on_cpu(quant_checkpoints, 
     del prompts["very_long_sparse"]
     got = greedy_with_logprobs(quant_checkpoints[case], prompts, MAX_NEW_TOKENS, max_num_seqs=8)
     want = greedy_with_logprobs(quant_checkpoints[f"{case}-deq"], prompts, MAX_NEW_TOKENS, max_num_seqs=8)
-    problems = compare(got, want)
+    problems = compare(got, want, prompts=prompts, twin=quant_checkpoints[f"{case}-deq"])
     assert not problems, f"{case} differs from its dequantized twin:\n" + "\n".join(problems)
 
 
@@ -125,5 +125,5 @@ def test_fp8_experts_equal_dequantized_twin_on_amx_cpu(tmp_path_factory):
     del prompts["very_long_sparse"]
     got = greedy_with_logprobs(paths["fp8"], prompts, MAX_NEW_TOKENS, max_num_seqs=8)
     want = greedy_with_logprobs(paths["deq"], prompts, MAX_NEW_TOKENS, max_num_seqs=8)
-    problems = compare(got, want)
+    problems = compare(got, want, prompts=prompts, twin=paths["deq"])
     assert not problems, "qsa512 FP8 experts differ from their dequantized twin:\n" + "\n".join(problems)

@@ -267,6 +267,18 @@ class TensorChecker:
             )
 
 
+def linear_kernel_name(module: nn.Module) -> str | None:
+    """The class name of the mixed-precision linear kernel vLLM chose for ``module`` (None: none).
+
+    compressed-tensors keeps the kernel on the layer's ``scheme``; the GPTQ and AWQ linear methods
+    (``auto_gptq.py``, ``auto_awq.py``) keep it on the quant method itself."""
+    for holder in (getattr(module, "scheme", None), getattr(module, "quant_method", None)):
+        kernel = getattr(holder, "kernel", None)
+        if kernel is not None:
+            return type(kernel).__name__
+    return None
+
+
 def check_cpu_kernels(quantized: dict[str, nn.Module]) -> None:
     """On vLLM's CPU build, refuse at start-up the quantized layers this host's kernels cannot run.
 
@@ -283,7 +295,7 @@ def check_cpu_kernels(quantized: dict[str, nn.Module]) -> None:
         return
     amx = torch.cpu._is_amx_tile_supported()
     for name, module in quantized.items():
-        kernel = type(getattr(getattr(module, "scheme", None), "kernel", None)).__name__
+        kernel = linear_kernel_name(module)
         if kernel == "CPUWNA16LinearKernel" and not hasattr(torch.ops._C, "cpu_gemm_wna16"):
             raise QuantConfigError(
                 f"{name}: vLLM chose CPUWNA16LinearKernel, but its op torch.ops._C.cpu_gemm_wna16 is not "

@@ -10,7 +10,8 @@ refuses on hosts without one (x86 without AMX). With the flag the selection retu
 experts class anyway; the on-disk layout vLLM loads does not depend on the backend (compressed-
 tensors checkpoints load N-first whatever the kernel) and the kernel never runs here.
 
-Prints one line ``PROBE_JSON={...}``: ``methods`` (module -> quant method class), ``params``
+Prints one line ``PROBE_JSON={...}``: ``methods`` (module -> quant method class), ``kernels``
+(module -> the mixed-precision linear kernel vLLM chose, where it chose one), ``params``
 (parameter -> [dtype, shape]) and ``loaded``, or ``error`` (type and message) if start-up failed.
 
 ``--skip-kernel-check``: skip our start-up check that this host's CPU kernels exist for the format
@@ -34,6 +35,7 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # model built in this process
     checkpoint = sys.argv[1]
     result: dict = {}
+    from model.quant_checks import linear_kernel_name
     from model.vllm_adapter import model as adapter
 
     original = adapter.Qwen4ExpForCausalLM.load_weights
@@ -45,6 +47,9 @@ def main() -> None:
             name: type(m.quant_method).__name__
             for name, m in self.named_modules()
             if getattr(m, "quant_method", None) is not None
+        }
+        result["kernels"] = {
+            name: kernel for name, m in self.named_modules() if (kernel := linear_kernel_name(m)) is not None
         }
         result["params"] = {n: [str(p.dtype), list(p.shape)] for n, p in self.named_parameters()}
         raise _Done

@@ -243,10 +243,30 @@ def test_broken_quantized_checkpoint_fails_at_start_up_naming_the_tensor(quant_c
 # ---- what this host's CPU can run --------------------------------------------------------------
 
 
-def test_int4_linears_without_the_cpu_op_are_refused_at_start_up(quant_checkpoints):
+DENSE_INT4 = ("tiny-w4a16-dense", "tiny-gptq-dense", "tiny-awq-dense")
+
+
+@pytest.mark.parametrize("case", DENSE_INT4)
+def test_int4_linears_get_the_cpu_kernel_our_check_knows(quant_checkpoints, case):
+    """Every int4 dense layer, whatever the layout, runs vLLM's ``CPUWNA16LinearKernel`` on the CPU
+    build, and our start-up check finds it where each config keeps it (any x86 host: the probe stops
+    before the kernel runs)."""
+    result = probe(quant_checkpoints[case], "--skip-kernel-check")
+    assert "error" not in result, result["error"]
+    quantized = {
+        n for n, m in result["methods"].items() if not m.startswith("Unquantized") and "linear" in m.lower()
+    }
+    assert quantized, result["methods"]
+    assert {n: result["kernels"].get(n) for n in quantized} == dict.fromkeys(
+        quantized, "CPUWNA16LinearKernel"
+    )
+
+
+@pytest.mark.parametrize("case", DENSE_INT4)
+def test_int4_linears_without_the_cpu_op_are_refused_at_start_up(quant_checkpoints, case):
     if hasattr(torch.ops._C, "cpu_gemm_wna16") or _cpu_library_has("cpu_gemm_wna16"):
         pytest.skip("this host's vLLM CPU library has cpu_gemm_wna16: the parity test runs instead")
-    result = probe(quant_checkpoints["tiny-w4a16-dense"])
+    result = probe(quant_checkpoints[case])
     assert "error" in result
     assert re.search(
         r"model\.layers\.\d+\.\S+: vLLM chose CPUWNA16LinearKernel, but its op torch\.ops\._C\.cpu_gemm_wna16 "

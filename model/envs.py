@@ -257,7 +257,7 @@ VARIABLES: tuple[EnvVar, ...] = (
         "our code, the scale sidecar, calibration, clip counters, our FP8/NVFP4 PLE tables, a separate "
         "bf16 indexer projection for quantized checkpoints) and stops start-up, listing every reason, "
         "where the deployment lacks what upstream needs (`output_gate_type` in config.json; a top-k of "
-        "512/1024/2048 blocks) or uses what is not verified there (AWQ/GPTQ). `ours`: this plugin's "
+        "512/1024/2048 blocks) or would quantize the QSA indexer. `ours`: this plugin's "
         "model on CUDA too (V1 runner, no CUDA graphs; any checkpoint shape). The service sets "
         "`VLLM_USE_V2_MODEL_RUNNER` to match on CUDA unless you set it.",
         "use auto, ours or upstream, or unset it (auto)",

@@ -21,6 +21,10 @@ CASES = {
     "wide-fp8": ("wide", "fp8-block", "experts"),
 }
 
+# The cases in compressed-tensors formats (the GPTQ/AWQ layouts have their own decoder test,
+# tests/quant/test_gptq_awq_layout.py).
+COMPRESSED_TENSORS_CASES = sorted(n for n, (_, fmt, _) in CASES.items() if fmt in ("w4a16", "fp8-block"))
+
 
 @pytest.fixture(scope="session")
 def quant_checkpoints(tmp_path_factory) -> dict[str, Path]:

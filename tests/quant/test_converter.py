@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from model.quantize import EXPERT_RE, KEEP_RE, choose_group, convert_checkpoint, per_rank_shapes
 
-from .conftest import CASES
+from .conftest import CASES, COMPRESSED_TENSORS_CASES
 
 
 def _tensors(path) -> dict[str, torch.Tensor]:
@@ -50,7 +50,7 @@ def decode_fp8_block(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return weight.float() * full
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", COMPRESSED_TENSORS_CASES)
 def test_config_parses_with_vllm_and_targets_exactly_the_intended_modules(quant_checkpoints, case):
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig,
@@ -73,7 +73,7 @@ def test_config_parses_with_vllm_and_targets_exactly_the_intended_modules(quant_
     assert "lm_head" in qc["ignore"]
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", COMPRESSED_TENSORS_CASES)
 def test_on_disk_bits_decode_to_the_twin_exactly(quant_checkpoints, case):
     preset, fmt, _ = CASES[case]
     q = _tensors(quant_checkpoints[case])

@@ -331,7 +331,7 @@ def convert_checkpoint(
             module = name.removesuffix(".weight")
             if module in wanted and name.endswith(".weight"):
                 if fmt in NATIVE_FORMATS:
-                    packed, restored = quantize_native(tensor, fmt, plan.group, scales, module)
+                    packed, restored = quantize_native(tensor, fmt, plan.group, plan.scales, module)
                 else:
                     packed, restored = quantize_weight(tensor, plan, sch)
                 if dequantized:

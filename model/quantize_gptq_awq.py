@@ -37,15 +37,20 @@ def pow2_up(scale: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(scale.float().clamp_min(2.0**-100))))
 
 
-def _checked_fp16(scale: torch.Tensor, module: str) -> torch.Tensor:
-    bad = (scale < _FP16_TINY) | (scale > _FP16_MAX)
+def _fp16_scales(scale: torch.Tensor, scales: str, module: str) -> torch.Tensor:
+    """Group scales as the layouts store them (fp16): raised to fp16's smallest normal, then to a
+    power of two for ``scales == "pow2"``; one above fp16's range is refused. Returned as float32
+    holding exactly the stored values."""
+    scale = scale.clamp_min(_FP16_TINY)  # a power of two, so pow2_up keeps it
+    scale = pow2_up(scale) if scales == "pow2" else scale
+    bad = scale > _FP16_MAX
     if bool(bad.any()):
         raise ValueError(
-            f"{module}: {int(bad.sum())} group scale(s) outside fp16's normal range "
-            f"[{_FP16_TINY:.3g}, {_FP16_MAX:.3g}] (e.g. {float(scale[bad][0]):.3g}); GPTQ/AWQ store fp16 "
+            f"{module}: {int(bad.sum())} group scale(s) above fp16's largest value {_FP16_MAX:.3g} "
+            f"(e.g. {float(scale[bad][0]):.3g}); GPTQ/AWQ store fp16 "
             "scales, so this weight cannot be written in that layout: use --format w4a16"
         )
-    return scale.to(torch.float16)
+    return scale.to(torch.float16).float()
 
 
 def quantize_native(
@@ -63,16 +68,12 @@ def quantize_native(
     tiles = w.view(n, k // group, group)
     if fmt == "gptq":
         # Symmetric: codes 0..15 around the zero 8, the scale from the group's absmax.
-        scale = tiles.abs().amax(-1) / 7.0
-        scale = pow2_up(scale) if scales == "pow2" else scale
-        scale = _checked_fp16(scale.clamp_min(_FP16_TINY), module).float()
+        scale = _fp16_scales(tiles.abs().amax(-1) / 7.0, scales, module)
         zero = torch.full_like(scale, 8.0)
     else:
         # Asymmetric, as AutoAWQ quantizes: the group's [min, max] (with 0 inside) over 15 steps.
         lo, hi = tiles.amin(-1).clamp_max(0.0), tiles.amax(-1).clamp_min(0.0)
-        scale = ((hi - lo) / 15.0).clamp_min(_FP16_TINY)
-        scale = pow2_up(scale) if scales == "pow2" else scale
-        scale = _checked_fp16(scale, module).float()
+        scale = _fp16_scales((hi - lo) / 15.0, scales, module)
         zero = torch.round(-lo / scale).clamp(0, 15)
     codes = (torch.round(tiles / scale[..., None]) + zero[..., None]).clamp(0, 15)
     restored = ((codes - zero[..., None]) * scale[..., None]).view(n, k).to(torch.bfloat16)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from model.quantize import convert_checkpoint
-from tests.conftest import ensure_checkpoint
+from tests.conftest import ROOT, ensure_checkpoint
 
 # name -> (preset, format, scope). Scales are powers of two, so every dequantized value is exact
 # in bf16 and the twin holds exactly what the quantized kernels compute with.
@@ -24,6 +26,20 @@ CASES = {
 # The cases in compressed-tensors formats (the GPTQ/AWQ layouts have their own decoder test,
 # tests/quant/test_gptq_awq_layout.py).
 COMPRESSED_TENSORS_CASES = sorted(n for n, (_, fmt, _) in CASES.items() if fmt in ("w4a16", "fp8-block"))
+
+# int4 dense linears in the three layouts a user brings: compressed-tensors, AutoGPTQ, AutoAWQ.
+DENSE_INT4_CASES = ("tiny-w4a16-dense", "tiny-gptq-dense", "tiny-awq-dense")
+
+
+def cpu_library_has(op: str) -> bool:
+    """Whether the vLLM CPU library this host loads registers ``op`` (in a child, so that this
+    process does not import vLLM's kernels)."""
+    code = (
+        "import torch, vllm.platforms as p; p.current_platform.import_kernels(); "
+        f"print(hasattr(torch.ops._C, {op!r}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    return out.stdout.strip().endswith("True")
 
 
 @pytest.fixture(scope="session")

@@ -31,27 +31,17 @@ from model.quantize import convert_checkpoint
 from tests.conftest import ROOT
 from tests.parity.prompts import parity_prompts
 
+from .conftest import DENSE_INT4_CASES, cpu_library_has
 from .parity import compare, greedy_with_logprobs
 
 MAX_NEW_TOKENS = 16
-# int4 dense linears in the three layouts a user brings: compressed-tensors, AutoGPTQ, AutoAWQ.
-DENSE_INT4_CASES = ("tiny-w4a16-dense", "tiny-gptq-dense", "tiny-awq-dense")
-
-
-def _has_op(op: str) -> bool:
-    code = (
-        "import torch, vllm.platforms as p; p.current_platform.import_kernels(); "
-        f"print(hasattr(torch.ops._C, {op!r}))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    return out.stdout.strip().endswith("True")
 
 
 def _why_not(case: str, path) -> str | None:
     amx = torch.cpu._is_amx_tile_supported()
     if case == "tiny-w4a16" and not amx:
         return "int4 MoE on vLLM's CPU build needs AMX (CPUExpertsInt4, fused_moe/experts/cpu_moe.py:840-844)"
-    if case in DENSE_INT4_CASES and not _has_op("cpu_gemm_wna16"):
+    if case in DENSE_INT4_CASES and not cpu_library_has("cpu_gemm_wna16"):
         return "int4 linears need torch.ops._C.cpu_gemm_wna16, absent from the AVX2 CPU library (platforms/cpu.py:655-657)"
     if case == "tiny-fp8":
         if not amx:

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from model.quantize import Plan, quantize_weight, scheme
 from tests.conftest import ROOT
 
-from .conftest import CASES
+from .conftest import CASES, DENSE_INT4_CASES, cpu_library_has
 
 
 def probe(path, *flags: str) -> dict:
@@ -243,10 +243,7 @@ def test_broken_quantized_checkpoint_fails_at_start_up_naming_the_tensor(quant_c
 # ---- what this host's CPU can run --------------------------------------------------------------
 
 
-DENSE_INT4 = ("tiny-w4a16-dense", "tiny-gptq-dense", "tiny-awq-dense")
-
-
-@pytest.mark.parametrize("case", DENSE_INT4)
+@pytest.mark.parametrize("case", DENSE_INT4_CASES)
 def test_int4_linears_get_the_cpu_kernel_our_check_knows(quant_checkpoints, case):
     """Every int4 dense layer, whatever the layout, runs vLLM's ``CPUWNA16LinearKernel`` on the CPU
     build, and our start-up check finds it where each config keeps it (any x86 host: the probe stops
@@ -262,9 +259,9 @@ def test_int4_linears_get_the_cpu_kernel_our_check_knows(quant_checkpoints, case
     )
 
 
-@pytest.mark.parametrize("case", DENSE_INT4)
+@pytest.mark.parametrize("case", DENSE_INT4_CASES)
 def test_int4_linears_without_the_cpu_op_are_refused_at_start_up(quant_checkpoints, case):
-    if hasattr(torch.ops._C, "cpu_gemm_wna16") or _cpu_library_has("cpu_gemm_wna16"):
+    if hasattr(torch.ops._C, "cpu_gemm_wna16") or cpu_library_has("cpu_gemm_wna16"):
         pytest.skip("this host's vLLM CPU library has cpu_gemm_wna16: the parity test runs instead")
     result = probe(quant_checkpoints[case])
     assert "error" in result
@@ -288,16 +285,6 @@ def test_fp8_experts_without_amx_are_refused_at_start_up(quant_checkpoints):
     _assert_refused(
         quant_checkpoints["tiny-fp8"], r"routed_experts: FP8 experts .* need AMX tiles .*cpu_moe\.py:456-460"
     )
-
-
-def _cpu_library_has(op: str) -> bool:
-    """Whether the vLLM CPU library this host loads registers ``op`` (without importing vLLM here)."""
-    code = (
-        "import torch, vllm.platforms as p; p.current_platform.import_kernels(); "
-        f"print(hasattr(torch.ops._C, {op!r}))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    return out.stdout.strip().endswith("True")
 
 
 def test_int4_experts_without_a_cpu_moe_kernel_are_refused_with_the_reason(quant_checkpoints):

@@ -51,7 +51,7 @@ Why each piece is the way it is:
   engines get the same fixed ``kv_cache_memory_bytes``, so their pools are comparable.
 * ``served`` is what the product serves on CUDA (``QWEN4EXP_CUDA_MODEL=upstream``: upstream through
   our subclass, plugin loaded, V2, graphs); ``upstream`` is vLLM's model with our plugin off. The
-  table ends with each row's output tok/s over ``ours-loop``'s (the issue's baseline).
+  table ends with each row's output tok/s over ``ours-loop``'s (the baseline).
 * CUDA graphs: upstream runs with its default (graphs on); ours runs eager and with default
   settings. Ours declares no CUDA-graph support, so vLLM runs its "graphs" row without graphs; the
   effective ``compilation_config.cudagraph_mode`` is printed for every row so this is visible.
@@ -85,7 +85,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # downgrades it when the model declares no graph support, which the cudagraph_mode column shows.
 IMPLS: dict[str, tuple[dict[str, str], bool]] = {
     "ours-eager": ({"VLLM_USE_V2_MODEL_RUNNER": "0", "QWEN4EXP_CUDA_MODEL": "ours"}, True),
-    # The path the issue measured first: QSA selection one query at a time (the CPU reference loop).
+    # The baseline: QSA selection one query at a time (the CPU reference loop).
     "ours-loop": (
         {"VLLM_USE_V2_MODEL_RUNNER": "0", "QWEN4EXP_CUDA_MODEL": "ours", "QWEN4EXP_QSA_SELECTION": "loop"},
         True,
@@ -95,7 +95,7 @@ IMPLS: dict[str, tuple[dict[str, str], bool]] = {
     # What the product serves on CUDA: upstream through our subclass (plugin loaded), V2, graphs.
     "served": ({"VLLM_USE_V2_MODEL_RUNNER": "1", "QWEN4EXP_CUDA_MODEL": "upstream"}, False),
 }
-# The path issue 13 measured first, against which the chosen path's decode speed is judged (>= 3x at b64).
+# The baseline against which the chosen path's decode speed is judged (>= 3x at b64).
 BASELINE = "ours-loop"
 COMMON_ENV = {
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
@@ -673,7 +673,7 @@ def render(args, results: dict, ref: dict, device_name: str, lens: list[int]) ->
         if r.get("tps", {}).get(str(b)) and base.get(str(b))
     ]
     if ratios:
-        lines += ["", f"Output tok/s over {BASELINE} (the issue's baseline, same run): " + ", ".join(ratios)]
+        lines += ["", f"Output tok/s over {BASELINE} (the baseline, same run): " + ", ".join(ratios)]
     lines += ["", "Phase wall times (s), in run order:", ""]
     for name, r in {"reference": ref, **results}.items():
         rows = [

@@ -3,7 +3,7 @@
 A random-id prompt of ``--prefix-len`` tokens (8k by default) is sent with one ``--suffix-len``
 suffix, then again with another: with prefix caching the second request reads the shared prefix
 from the cache (its GDN/PLE states from the align-mode block of the hit, its QSA pages by block
-hash) and computes only the suffix. The issue's target is a second TTFT at least 5x shorter. The
+hash) and computes only the suffix. The target is a second TTFT at least 5x shorter. The
 same two requests without prefix caching are the control (both cold). TTFT is the wall time of a
 one-token generation, after a short warm-up request; the engine's own cached-token count is
 printed so a run without a hit cannot pass for a fast one. The "floor" column is a cold request of
@@ -14,14 +14,13 @@ as many new tokens as the hit computed, without any context: what one forward of
 Runs on vLLM's CPU build (eager, bf16) and on CUDA (``--cuda-graphs`` to leave graphs on). With graphs,
 the engine captures batch sizes up to ``--capture-max`` tokens (512, what the service gets with vLLM's
 default ``max_num_seqs``): vLLM's own ceiling is ``2 * max_num_seqs``, and this bench's 8 sequences
-would leave a hit's new tokens (48 with ``real-compute``'s 272-token blocks) outside every graph; the
-sixth H200 run timed that (2.0x) before this option existed.
+would leave a hit's new tokens (48 with ``real-compute``'s 272-token blocks) outside every graph and
+time the hit at about half its served speed.
 ``--upstream`` (CUDA) serves vLLM's own Qwen4-Exp through our subclass (``QWEN4EXP_CUDA_MODEL=upstream``,
 Model Runner V2, the engine core in this process, as ``bench/bench_ours_vs_upstream.py`` runs it);
 it needs a checkpoint upstream takes, e.g. ``qsa512``. Nothing from upstream is imported before
-``LLM()``: an earlier version did, lost upstream's graph breaks and timed a wrong path with graphs
-(every suffix ignored; its 4.2x of 2026-12-01 is void); the subclass now refuses that state
-(``model/vllm_adapter/upstream_kernels.py``).
+``LLM()``: importing it earlier loses upstream's graph breaks, and a hit with graphs then ignores
+its suffix; the subclass refuses that state (``model/vllm_adapter/upstream_kernels.py``).
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ def ttft(llm, ids: list[int]) -> tuple[float, int, float, int]:
 
 def profiled(path: str, call):
     """``call()`` under the torch profiler (CPU and, where there is one, CUDA activity); the op
-    tables sorted by device time, by host time and by host time per call stack go to ``path``, the
+    tables sorted by GPU time, by host time and by host time per call stack go to ``path``, the
     timeline to ``path.trace.json``. Why a cache hit costs what it
     costs: the engine core must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
     import torch
@@ -75,7 +74,7 @@ def profiled(path: str, call):
     device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     with open(path, "w") as out:
         out.write(f"one cache-hit request: wall {result[0]:.4f} s, engine {result[2]:.4f} s\n\n")
-        out.write("by device time\n" + averages.table(sort_by=device_key, row_limit=40) + "\n\n")
+        out.write("by GPU time\n" + averages.table(sort_by=device_key, row_limit=40) + "\n\n")
         out.write("by host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=40) + "\n\n")
         by_stack = prof.key_averages(group_by_stack_n=6)  # which Python code issued the host time
         out.write(
@@ -244,7 +243,7 @@ def main() -> None:
 
     on = run(args, prompts, warmup, fresh, True, gdn_modes)
     rows = {("on", mode): rounds for mode, rounds in on.items()}
-    # Printed at once: a device session that ends during the control keeps this row.
+    # Printed at once: a run killed during the control keeps this row.
     for mode, rounds in on.items():
         print(f"caching on{label(mode)} (wall s, cached tokens, engine s, token): {rounds}", flush=True)
     if not args.no_control:

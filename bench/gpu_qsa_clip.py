@@ -25,7 +25,7 @@ code in ``tests/gpu/qsa_clip_cases.py`` this script reuses; exit status 1 if any
 
 ``--smoke`` runs everything but the graph capture on the CPU (kernel under ``TRITON_INTERPRET=1``).
 
-Result on an H200 (torch 2.11, Triton 3.6, 2026-11-29; defaults above, 6 steps of 8 real + 2 padding
+Result on an H200 (torch 2.11, Triton 3.6; defaults above, 6 steps of 8 real + 2 padding
 rows): every check PASSED; eager and replayed counters equal after every step ([245, 221] K/V
 clips = host count), cache bytes and outputs bitwise equal; 2,000 replays added exactly
 2,000 x [41, 27]; the reader (68 polls at 2 ms) matched the device total and the Prometheus

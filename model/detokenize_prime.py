@@ -4,8 +4,8 @@ Why: vLLM 0.32's fast detokenizer (``vllm/v1/engine/detokenizer.py:195``) builds
 ``DecodeStream`` with ``ids=request.prompt_token_ids``, and the stream's first ``step`` decodes that
 whole prefix to text before the first generated token has any. That is front-end host time between
 the engine's first token and the client's, proportional to the prompt and paid by every request,
-cached or not: 6 ms of an 8k-token prefix-cache hit's 49 ms on the H200 host (ninth H200 run, the
-torch profile of the hit), and most of what separated that hit's wall-clock time to first token from
+cached or not: 6 ms of an 8k-token prefix-cache hit's 49 ms on an H200 host (a torch profile of
+the hit), and most of what separated that hit's wall-clock time to first token from
 the engine's. ``bench/bench_detokenize_prime.py`` times it here, side by side.
 
 A new token's text is ``decode(prefix + [new])`` minus ``decode(prefix)``; for tokenizers' decoders

@@ -4,9 +4,8 @@ Why: PyTorch captures in ``"global"`` error mode by default (vLLM's breakable an
 captures do), where a CUDA call from *any* thread that could touch the capturing stream (a copy,
 an event wait, a pinned allocation) fails and invalidates the capture. Our clip-counter reader and
 calibration collector copy their counters on a side stream from their own threads every interval;
-one such read landing inside vLLM's start-up capture stopped an FP8 engine on an H200
-("operation not permitted when stream is capturing", 2026-12-01). Graph capture and those reads
-now exclude each other through one lock: ``torch.cuda.CUDAGraph.capture_begin`` takes it (waiting
+one such read landing inside vLLM's start-up capture stops an FP8 engine ("operation not permitted
+when stream is capturing"). Graph capture and those reads exclude each other through one lock: ``torch.cuda.CUDAGraph.capture_begin`` takes it (waiting
 for a read in flight, a few milliseconds) and ``capture_end`` releases it; a reader that cannot get
 it within its timeout skips that round (the counters are monotonic, the next round catches up).
 Breakable graphs end a segment before each eager break and begin a new one after it, so readers

@@ -1,7 +1,7 @@
 """``bench/bench_prefix_cache.py`` runs end to end on vLLM's CPU build, with several rounds.
 
-The bench is what decides issue 13's prefix-cache target on the lent GPU, where a broken option costs
-device minutes that cannot be bought back. This runs it small (tiny checkpoint, 512-token prefix, two
+The bench decides the prefix-cache target on a GPU, where a broken option wastes a whole GPU run.
+This runs it small (tiny checkpoint, 512-token prefix, two
 rounds) and checks what its table must hold: every round's second request hit the cache, the medians
 and the per-round ratios are printed, and the verdict line is there. No assertion on speed.
 """

@@ -264,8 +264,8 @@ def test_merge_cli_reports_errors(tmp_path):
 
 def test_a_second_engine_in_the_process_replaces_the_first_engines_layers(fresh_runtime):
     """Two ``LLM`` engines built one after the other in one process (in-process engine core, as the
-    benchmarks run) register the same layer names; seen on the H200 as "registered twice" at the second
-    engine's start. A duplicate within one engine stays an error."""
+    benchmarks run) register the same layer names; without replacing them the second engine's start
+    fails with "registered twice". A duplicate within one engine stays an error."""
     layer = "model.layers.13.self_attn"
     make = lambda engine: QSAKVState(  # noqa: E731
         layer_name=layer,

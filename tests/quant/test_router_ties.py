@@ -3,8 +3,7 @@
 ``tests.quant.parity.compare`` says why router ties matter (routing is discontinuous). These tests
 check the margin against a router built to tie, the refusal of an ordinary divergence, and the
 measured case that motivated it: ``qsa512``'s FP8-experts twin at ``chat`` token 3, where upstream's
-Marlin experts and the twin's Triton experts chose different tokens on the H200 (sixth, ninth,
-eleventh and twelfth runs).
+Marlin experts and the twin's Triton experts choose different tokens on an H200, deterministically.
 """
 
 from __future__ import annotations

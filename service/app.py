@@ -37,7 +37,7 @@ log = logging.getLogger("service.app")
 # The vLLM routes we expose; its routers also carry batch/experimental routes we leave out.
 VLLM_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize"})
 GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
-OWN_ROUTES = frozenset({"/health", "/ready", "/metrics"})
+OWN_ROUTES = frozenset({"/health", "/ready", "/metrics", "/get_load"})
 
 
 class ReadyProbe:
@@ -133,6 +133,12 @@ def build_app(
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """Requests in flight here, in the shape vllm-router's power_of_two policy polls
+        (``{"load": n}``, fetched without a key, like the health checks)."""
+        return JSONResponse({"load": lifecycle.inflight})
+
     for router in (models_router, chat_router, completion_router, tokenize_router):
         for route in router.routes:
             if getattr(route, "path", None) in VLLM_ROUTES:
@@ -154,7 +160,9 @@ def build_app(
     app.add_middleware(LifecycleGate, lifecycle=lifecycle, retry_after=settings.retry_after_seconds)
     keys = settings.keys()
     if keys:
-        open_paths = frozenset({"/health", "/ready"} | ({"/metrics"} if settings.metrics_open else set()))
+        open_paths = frozenset(
+            {"/health", "/ready", "/get_load"} | ({"/metrics"} if settings.metrics_open else set())
+        )
         app.add_middleware(BearerAuth, keys=keys, open_paths=open_paths)
     else:
         log.warning("no API key configured (QWEN4EXP_API_KEYS / QWEN4EXP_API_KEYS_FILE): auth is OFF")

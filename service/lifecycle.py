@@ -16,7 +16,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .errors import send_error
 
 # Routes that answer in every phase (probes and scraping).
-UNGATED = frozenset({"/health", "/ready", "/metrics"})
+# /get_load: the router's load poll must not count itself as in flight.
+UNGATED = frozenset({"/health", "/ready", "/metrics", "/get_load"})
 
 
 class Phase(StrEnum):

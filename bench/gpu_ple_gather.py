@@ -1,11 +1,12 @@
-"""GPU check and benchmark of the PLE gather kernel (pinned host tables read through UVA).
+"""Benchmark of the PLE gather kernel (pinned host tables read through UVA).
 
 Run on a CUDA machine (no vLLM needed): ``PYTHONPATH=. python3 bench/gpu_ple_gather.py``.
 
-The pass/fail judges of the kernel (bit-exactness for bf16/fp8/nvfp4, prefetch in CUDA graphs,
-the vLLM layer's storage paths) live in ``tests/gpu/test_ple_gather.py``; this script only times.
+The kernel's judges (bit-exactness for bf16/fp8/nvfp4, ids beyond 2**31, an 8 GiB table, prefetch in
+CUDA graphs, the vLLM layer's storage paths) are ``tests/gpu/test_ple_gather*.py``; this script only
+times.
 
-Part 2 (benchmark, markdown tables, also written to ``$OUT/ple_bench.md``): gather throughput
+Markdown tables, also written to ``$OUT/ple_bench.md``: gather throughput
 from an 8 GiB pinned table (256-byte rows) for decode- and prefill-sized batches, random vs
 sorted ids, against a contiguous host-to-device copy of the same bytes; launch-shape sweep;
 transparent huge pages vs plain pinning; and how much of the lookup a side-stream prefetch
@@ -28,22 +29,21 @@ import torch
 from model.kernels.ple_gather import default_launch_config, ple_gather
 from model.ops.ple_host_memory import alloc_pinned_host
 from model.ops.ple_storage import make_storage
-from tests.gpu.ple_gather_cases import same
 
 GiB = 1 << 30
 DEV = torch.device("cuda", 0)
-FAILURES: list[str] = []
+CRASHED: list[str] = []
 REPORT: list[str] = []
 
 
 @contextlib.contextmanager
 def section(name: str) -> Iterator[None]:
-    """Run one benchmark section; a crash is recorded as a failure and the next section still runs."""
+    """Run one benchmark section; a crash is recorded and the next section still runs."""
     try:
         yield
     except Exception:
         traceback.print_exc()
-        FAILURES.append(f"{name} crashed")
+        CRASHED.append(name)
 
 
 def log(msg: str = "") -> None:
@@ -54,12 +54,6 @@ def emit(md: str) -> None:
     """Print a markdown block and keep it for $OUT/ple_bench.md."""
     log(md)
     REPORT.append(md)
-
-
-def check(name: str, ok: bool, detail: str = "") -> None:
-    log(f"[{'PASS' if ok else 'FAIL'}] {name}{(' ' + detail) if detail else ''}")
-    if not ok:
-        FAILURES.append(name)
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:
@@ -228,13 +222,6 @@ def benchmark() -> None:
     fill_random(host)
     table_bf16 = host.view(torch.bfloat16).view(rows, DIM)
     log(f"registered 8 GiB in {t_reg:.2f}s")
-
-    # Correctness on the big table too: row offsets beyond 2**31 elements.
-    ids = torch.randint(0, rows, (8192,), device=DEV)
-    ids[:2] = torch.tensor([rows - 1, rows // 2], device=DEV)
-    out = torch.empty((8192, DIM), dtype=torch.bfloat16, device=DEV)
-    ple_gather("bf16", table_bf16, ids, 0, out, assume_pinned=True)
-    check("8 GiB table gather == index_select", same(out, table_bf16.index_select(0, ids.cpu())))
 
     log(f"PTX loads/stores of the bf16 gather: {ptx_loads()}")
 
@@ -560,10 +547,7 @@ def _decode_case(st, rows: int, tokens: int, n: int, w_up: list, w_dn: list) -> 
                 f"{100 * saved / t_look:.0f}%" if t_look > 0 else "n/a",
             ]
         )
-    # Correctness of the overlapped graph's last replay is covered in part 1; here check that the
-    # prefetched rows are the table rows of the ids drawn by that replay.
     torch.cuda.synchronize()
-    check(f"decode overlap rows T={tokens}", same(res, st.data.index_select(0, ids.cpu())))
     return out
 
 
@@ -580,15 +564,16 @@ def main() -> int:
         benchmark()
     except Exception:
         traceback.print_exc()
-        FAILURES.append("benchmark crashed")
+        CRASHED.append("benchmark")
     log(f"benchmark done at {time.perf_counter() - t0:.1f}s")
     out_dir = os.environ.get("OUT")
     if out_dir:
         with open(os.path.join(out_dir, "ple_bench.md"), "w") as f:
             f.write("# PLE gather benchmark\n" + "\n".join(REPORT) + "\n")
-            f.write(f"\nFailures: {FAILURES or 'none'}\n")
-    log(f"\nFAILURES: {FAILURES}" if FAILURES else "\nALL CHECKS PASSED")
-    return 1 if FAILURES else 0
+            f.write(f"\nCrashed sections: {CRASHED or 'none'}\n")
+    if CRASHED:
+        log(f"\ncrashed sections (tracebacks above): {CRASHED}")
+    return 1 if CRASHED else 0
 
 
 if __name__ == "__main__":

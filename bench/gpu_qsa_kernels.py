@@ -1,4 +1,4 @@
-"""GPU validation and benchmark of the QSA sparse paged attention kernel and its FP8 decode.
+"""GPU benchmark of the QSA sparse paged attention kernel and its FP8 decode.
 
 Run on a CUDA machine (no vLLM needed, torch + Triton only) from the repository root:
 

@@ -163,11 +163,17 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO))
     from model.ple_quantize import convert_checkpoint
-    from tests.conftest import ensure_checkpoint
 
+    tiny = REPO / "checkpoints" / "tiny"
+    if not (tiny / "model.safetensors").exists():
+        subprocess.run(
+            [sys.executable, "-m", "model.checkpoints", "--preset", "tiny", "--out", str(tiny)],
+            check=True,
+            cwd=REPO,
+        )
     with tempfile.TemporaryDirectory(prefix="ple_mem_") as tmp:
         root = Path(tmp)
-        bf16 = build_checkpoint(ensure_checkpoint("tiny"), root / "bf16", args.base)
+        bf16 = build_checkpoint(tiny, root / "bf16", args.base)
         runs = [("bf16", bf16, None)]
         for fmt in ("fp8_e4m3", "nvfp4"):
             runs.append((fmt, convert_checkpoint(bf16, root / fmt, fmt), None))

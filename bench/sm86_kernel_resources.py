@@ -16,7 +16,7 @@ Run from the repository root (no GPU needed; a first run compiles ~100 kernels, 
 
     .venv/bin/python bench/sm86_kernel_resources.py
 
-It prints a markdown table; bench/results/sm86_kernel_resources.md holds a saved run.
+It prints a markdown table; docs/design/sm86-kernel-resources.md holds a saved run and the decision.
 """
 
 from __future__ import annotations

@@ -1,27 +1,21 @@
-"""Helpers of the QSA FP8 KV tests: an outlier variant of the tiny checkpoint, engine runs, metrics.
+"""Helpers of the QSA FP8 KV tests: engine runs, metrics, merging dumps.
 
-The tiny checkpoint's K/V stay within a few units, the range where E4M3 at scale 1.0 is already
-about as precise as it gets (E4M3 precision is relative), so calibration barely matters there.
-Real models have K/V beyond +-448, which an uncalibrated cache clips. ``make_outlier_checkpoint``
-reproduces that without changing the model's function: V projections of the QSA layers are
-multiplied by ``2**9`` and their output projections divided by ``2**9``. Attention is linear in V
-and powers of two are exact in bf16, so the BF16 model computes the same logits, while its cached
-V values now reach ~1,000.
+The outlier variant of the tiny checkpoint (K/V beyond E4M3's +-448 with the same BF16 logits) is
+:func:`model.cases.make_outlier_checkpoint`, shared with ``bench/qsa_kv_accuracy.py``.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-V_FACTOR = 2.0**9
+from model.cases import V_FACTOR, make_outlier_checkpoint, qsa_layer_indices  # noqa: F401 (re-exported)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -33,31 +27,6 @@ def run_merge(dumps: Path, sidecar: Path, margin: str = "1.1") -> subprocess.Com
         capture_output=True,
         text=True,
     )
-
-
-def qsa_layer_indices(config: dict) -> list[int]:
-    return [i for i, kind in enumerate(config["layer_types"]) if kind != "linear_attention"]
-
-
-def make_outlier_checkpoint(src: Path, dst: Path, factor: float = V_FACTOR) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    if (dst / "model.safetensors").exists():
-        return dst
-    dst.mkdir(parents=True, exist_ok=True)
-    for item in src.iterdir():
-        if item.name != "model.safetensors" and item.is_file():
-            shutil.copy2(item, dst / item.name)
-    config = json.loads((src / "config.json").read_text())
-    tensors = load_file(str(src / "model.safetensors"))
-    for i in qsa_layer_indices(config):
-        v, o = f"model.layers.{i}.self_attn.v_proj.weight", f"model.layers.{i}.self_attn.o_proj.weight"
-        tensors[v] = (tensors[v].float() * factor).to(tensors[v].dtype)
-        tensors[o] = (tensors[o].float() / factor).to(tensors[o].dtype)
-    save_file(
-        {k: t.contiguous() for k, t in tensors.items()}, str(dst / "model.safetensors"), {"format": "pt"}
-    )
-    return dst
 
 
 @contextmanager

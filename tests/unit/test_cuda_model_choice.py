@@ -256,7 +256,7 @@ def test_ple_storage_must_match_upstreams_engram_config():
 
 
 # Shared memory of upstream's bf16 indexer prefill kernel per block, compiled for sm_86 and sm_90
-# with the launcher's tile (bench/results/sm86_kernel_resources.md, Triton 3.9), and the H200's
+# with the launcher's tile (docs/design/sm86-kernel-resources.md, Triton 3.9), and the H200's
 # launch refusal (303,104 bytes required, sixth H200 run).
 COMPILED_SM86 = {1: 49152, 2: 65536, 4: 90112, 8: 155648, 16: 286720}
 COMPILED_SM90 = {1: 57344, 2: 73728, 4: 106496, 8: 172032, 16: 303104}

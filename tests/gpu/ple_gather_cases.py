@@ -1,6 +1,6 @@
 """Judges of the PLE gather kernel on a GPU (pinned host tables read through UVA).
 
-Moved from ``bench/gpu_ple_gather.py`` (which keeps the benchmark): the UVA kernel reading pinned
+The pass/fail logic (``bench/gpu_ple_gather.py`` only times): the UVA kernel reading pinned
 host memory must equal the torch reference bit for bit for bf16, fp8 and nvfp4, in dequantize and
 raw modes, for several launch shapes; a side-stream prefetch must give identical rows, also when
 captured in a CUDA graph and replayed with new ids; the storage paths the vLLM layer uses

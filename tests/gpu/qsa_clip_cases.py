@@ -1,6 +1,6 @@
 """Judges of the FP8 QSA cache write, clip counting and kernel read on a GPU, eager vs graph replay.
 
-Moved from ``bench/gpu_qsa_clip.py`` (which keeps the tile sweep and prints the replay timings):
+What they judge (the E4M3 vs BF16 tile sweep is ``bench/gpu_qsa_kernels.py``, timing only):
 
 1. One QSA step exactly as the layer runs it with ``--kv-cache-dtype fp8`` and clip counting on
    (``QSAKVState.observe``/``encode``, ``fp8_rows`` + ``scatter_rows_`` into a uint8 paged cache,

@@ -2,8 +2,9 @@
 
 The pass/fail logic (``bench/gpu_qsa_kernels.py`` only times): the E4M3 byte decode bit-exact on
 all 254 finite codes, and the kernel against the torch reference (``model.ops.qsa_sparse_attention``)
-over BF16/FP16/FP32, E4M3 and E5M2 caches, GQA groups 1..8, head_dim 64..256, split-K on/off/auto, ragged and empty rows, page numbers > 100000 in
-caches whose byte offsets pass 2**32, and CUDA-graph replay with tensor scales.
+over BF16/FP16/FP32, E4M3 and E5M2 caches, GQA groups 1..8, head_dim 64..256, split-K on/off/auto,
+ragged and empty rows, page numbers > 100000 in caches whose byte offsets pass 2**32, and CUDA-graph
+replay with tensor scales.
 """
 
 from __future__ import annotations

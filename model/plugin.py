@@ -4,11 +4,14 @@ vLLM runs ``register()`` in every process (API server, engine core, workers, its
 inspection subprocess). Registering under the upstream names replaces vLLM's built-in CUDA-only
 Qwen4Exp; ``QWEN4EXP_CUDA_MODEL`` (:mod:`model.envs`) says with what:
 
-* ``ours`` (default): this plugin's implementation (``model.vllm_adapter.model``), on vLLM's CPU
-  build and on CUDA.
+* ``auto`` (default): ``upstream`` on CUDA, ``ours`` on vLLM's CPU build (the only one there).
+  Upstream is 9-16x faster on CUDA with the same tokens (``docs/design/upstream-on-cuda.md``).
+* ``ours``: this plugin's implementation (``model.vllm_adapter.model``), on vLLM's CPU build and on
+  CUDA (V1 runner, no CUDA graphs; any checkpoint shape).
 * ``upstream``, on CUDA: vLLM's own implementation behind thin subclasses
-  (``model.vllm_adapter.upstream_cuda``) that stop start-up, listing every reason, where it lacks
-  a feature ours has or needs a setting that is missing (``model.cuda_model_choice``).
+  (``model.vllm_adapter.upstream_cuda``) that add the RTX 3090's parts and stop start-up, listing
+  every reason, where it lacks a feature ours has or needs a setting that is missing
+  (``model.cuda_model_choice``).
 * ``upstream``, on vLLM's CPU build (decided by vLLM's own ``vllm_version_matches_substr``, as
   ``service.cuda_preflight`` does; no GPU is touched): upstream cannot run there, and serving ours
   under that name would hide the misconfiguration, so the registered classes are stand-ins whose

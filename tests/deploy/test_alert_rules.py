@@ -1,8 +1,10 @@
-"""``promtool test rules``: the down and clipping alerts fire, and stay quiet, for compose's and Helm's jobs.
+"""``promtool test rules``: every alert fires in one case and stays quiet in another.
 
 The unit tests live in ``promtool/qwen4exp-alerts.test.yml`` and load the one shared rules file.
-They must also catch the rules they replace: the old ``up{job=~"qwen4exp.*"} == 0`` misses the
-Helm release's job, a bare ``up == 0`` fires for other jobs' targets.
+The down and clipping alerts are tested with compose's and Helm's job names. The tests must also
+catch the rules they replace: the old ``up{job=~"qwen4exp.*"} == 0`` misses the Helm release's job,
+a bare ``up == 0`` fires for other jobs' targets, and a bare ``qwen4exp_service_ready == 0`` fires
+five minutes into every cold start (the model loads for up to 30 minutes).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import yaml
 from .tools import RULES, run, tool
 
 UNIT_TESTS = Path(__file__).parent / "promtool" / "qwen4exp-alerts.test.yml"
-CHECKED = ("Qwen4ExpDown", "Qwen4ExpAbsent", "Qwen4ExpQSAKVClipping")
+
+
+def alert_names() -> list[str]:
+    return [r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
 
 
 def promtool_test(test_file: Path) -> tuple[int, str]:
@@ -29,9 +34,10 @@ def test_promtool_unit_tests_pass():
     assert code == 0 and "SUCCESS" in out, out
 
 
-def test_each_checked_alert_has_firing_and_quiet_cases_for_both_job_names():
+def test_every_alert_has_firing_and_quiet_cases_down_and_clipping_for_both_job_names():
     tests = yaml.safe_load(UNIT_TESTS.read_text())["tests"]
-    for alert in CHECKED:
+    assert len(alert_names()) >= 13
+    for alert in alert_names():
         cases = [(t, c) for t in tests for c in t["alert_rule_test"] if c["alertname"] == alert]
         assert any(c["exp_alerts"] for _, c in cases), f"{alert}: no case where it fires"
         assert any(not c["exp_alerts"] for _, c in cases), f"{alert}: no case where it stays quiet"
@@ -46,17 +52,18 @@ def test_each_checked_alert_has_firing_and_quiet_cases_for_both_job_names():
 
 
 @pytest.mark.parametrize(
-    "expr, why",
+    "alert, expr, why",
     [
-        ('up{job=~"qwen4exp.*"} == 0', "misses job prod-qwen4exp"),
-        ("up == 0", "fires for another job's target"),
+        ("Qwen4ExpDown", 'up{job=~"qwen4exp.*"} == 0', "misses job prod-qwen4exp"),
+        ("Qwen4ExpDown", "up == 0", "fires for another job's target"),
+        ("Qwen4ExpNotReady", "max by (instance) (qwen4exp_service_ready) == 0", "fires during a cold start"),
     ],
 )
-def test_unit_tests_reject_the_replaced_down_rules(tmp_path, expr, why):
+def test_unit_tests_reject_the_replaced_rules(tmp_path, alert, expr, why):
     rules = yaml.safe_load(RULES.read_text())
     for group in rules["groups"]:
         for rule in group["rules"]:
-            if rule["alert"] == "Qwen4ExpDown":
+            if rule["alert"] == alert:
                 rule["expr"] = expr
     rules_dir = tmp_path / "k8s" / "qwen4exp" / "rules"
     rules_dir.mkdir(parents=True)
@@ -65,4 +72,4 @@ def test_unit_tests_reject_the_replaced_down_rules(tmp_path, expr, why):
     test_dir.mkdir(parents=True)
     shutil.copy(UNIT_TESTS, test_dir / UNIT_TESTS.name)
     code, out = promtool_test(test_dir / UNIT_TESTS.name)
-    assert code != 0 and "Qwen4ExpDown" in out, f"the unit tests accept a Down rule that {why}:\n{out}"
+    assert code != 0 and alert in out, f"the unit tests accept a {alert} rule that {why}:\n{out}"

@@ -395,3 +395,62 @@ def test_every_value_is_in_the_readme_table():
         if not covered:
             missing.append(path)
     assert not missing, f"values not in k8s/qwen4exp/README.md's table: {missing}"
+
+
+def test_group_version_api_versions_render_the_monitors():
+    """`--api-versions monitoring.coreos.com/v1` (group-version only, what most CI tools pass) counts
+    as the Prometheus Operator's API being served: both objects render, and NOTES warn of neither."""
+    gv = ["--api-versions", "monitoring.coreos.com/v1"]
+    kinds = {d["kind"] for d in docs(*REQUIRED, *gv)}
+    assert MONITORING <= kinds, kinds
+    # NOTES.txt decides its warnings with the same helper (helm install has no --api-versions to try).
+    assert (CHART / "templates" / "NOTES.txt").read_text().count('include "qwen4exp.wanted"') == 2
+    # Another group's version does not count.
+    assert not MONITORING & {
+        d["kind"] for d in docs(*REQUIRED, "--api-versions", "monitoring.example.com/v1")
+    }
+
+
+def test_pod_hardening_read_only_root_and_no_service_account_token(manifests):
+    pod = by_kind(manifests)["Deployment"]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    (container,) = pod["containers"]
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    # Every path the service writes is a volume: the metrics dir, /tmp, the caches, /dev/shm.
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for path in (env["PROMETHEUS_MULTIPROC_DIR"], "/tmp", "/home/app/.cache", "/dev/shm"):
+        assert path in mounts, path
+        assert "emptyDir" in volumes[mounts[path]] or "persistentVolumeClaim" in volumes[mounts[path]]
+
+
+def test_network_policy_is_optional_and_valid(manifests):
+    python_module_or_fail("kubernetes_validate")
+    import kubernetes_validate
+
+    assert "NetworkPolicy" not in by_kind(manifests)
+    peer = '{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}'
+    policy = by_kind(
+        docs(
+            *REQUIRED,
+            "--set",
+            "networkPolicy.enabled=true",
+            "--set-json",
+            f"networkPolicy.ingressFrom=[{peer}]",
+        )
+    )["NetworkPolicy"]
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert rule["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "monitoring"
+    }
+    dep = by_kind(docs(*REQUIRED))["Deployment"]
+    assert (
+        policy["spec"]["podSelector"]["matchLabels"].items()
+        <= dep["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert {p["port"] for r in policy["spec"]["egress"] for p in r["ports"]} == {53}

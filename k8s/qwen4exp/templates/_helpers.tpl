@@ -32,14 +32,18 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/*
 A Prometheus Operator object is rendered when its enabled value is true, or "auto" and the cluster
-serves its API (helm install asks the cluster; helm template needs --api-versions). Without the
-CRDs an unconditional ServiceMonitor makes the whole install fail.
+serves its API (helm install asks the cluster; helm template needs --api-versions, given either as
+the kind, monitoring.coreos.com/v1/ServiceMonitor, or as the group-version alone,
+monitoring.coreos.com/v1, the form most CI tools pass). Without the CRDs an unconditional
+ServiceMonitor makes the whole install fail.
 Arguments: (list enabled "monitoring.coreos.com/v1/Kind" .Capabilities). Returns "true" or "".
 */}}
 {{- define "qwen4exp.wanted" -}}
 {{- $enabled := toString (index . 0) -}}
 {{- if eq $enabled "auto" -}}
-{{- if (index . 2).APIVersions.Has (index . 1) -}}true{{- end -}}
+{{- $kind := index . 1 -}}
+{{- $groupVersion := regexReplaceAll "/[^/]+$" $kind "" -}}
+{{- if or ((index . 2).APIVersions.Has $kind) ((index . 2).APIVersions.Has $groupVersion) -}}true{{- end -}}
 {{- else if eq $enabled "true" -}}true
 {{- end -}}
 {{- end -}}

@@ -332,8 +332,11 @@ def send_traffic(service: str) -> None:
         assert c.get(url + "/ready").status_code == 200
 
 
-def test_prometheus_scrapes_service_and_evaluates_every_expression(service, prometheus):
-    # Zero-valued series first, then traffic, so increase()/rate() see the change.
+@pytest.fixture(scope="module")
+def traffic(service, prometheus) -> None:
+    """Traffic that every test below reads the effects of, sent once per module after Prometheus has
+    scraped the service's zero-valued series, so increase()/rate() and the clipping alert see the
+    change. A fixture, not the first test's work, so that each test passes when run alone."""
     deadline = time.monotonic() + 30
     while not query(prometheus, 'up{job="qwen4exp"} == 1')["result"]:
         assert time.monotonic() < deadline, "Prometheus never scraped the service"
@@ -342,6 +345,8 @@ def test_prometheus_scrapes_service_and_evaluates_every_expression(service, prom
     send_traffic(service)
     time.sleep(6)  # clip reader (1 s) + a few 1 s scrapes
 
+
+def test_prometheus_scrapes_service_and_evaluates_every_expression(service, prometheus, traffic):
     deadline = time.monotonic() + 30
     while not query(prometheus, 'up{job="node"} == 1')["result"]:
         assert time.monotonic() < deadline, "Prometheus never scraped the node exporter"
@@ -376,7 +381,7 @@ def test_prometheus_scrapes_service_and_evaluates_every_expression(service, prom
     assert query(prometheus, substitute(ungated))["result"]
 
 
-def test_rules_are_healthy_and_clipping_alert_fires(service, prometheus):
+def test_rules_are_healthy_and_clipping_alert_fires(service, prometheus, traffic):
     deadline = time.monotonic() + 30
     while True:
         groups = httpx.get(prometheus + "/api/v1/rules", timeout=10).json()["data"]["groups"]
@@ -394,7 +399,7 @@ def test_rules_are_healthy_and_clipping_alert_fires(service, prometheus):
     assert not {"Qwen4ExpDown", "Qwen4ExpAbsent"} & firing, firing
 
 
-def test_clipping_alert_reaches_the_chat_webhook(service, prometheus, alertmanager, webhook):
+def test_clipping_alert_reaches_the_chat_webhook(service, prometheus, alertmanager, webhook, traffic):
     """Prometheus -> the repository's Alertmanager config -> the Slack-compatible webhook."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -28,9 +28,9 @@ from . import http_metrics
 from .body_check import BodyValidation
 from .engine import generate_one_token
 from .errors import ErrorShapeMiddleware, error_body
-from .guards import Admission, BearerAuth, BodyLimit
+from .guards import Admission, ApiKeys, BearerAuth, BodyLimit
 from .lifecycle import Lifecycle, LifecycleGate, Phase
-from .settings import ServiceSettings
+from .settings import ServiceSettings, read_keys_file
 
 log = logging.getLogger("service.app")
 
@@ -158,8 +158,8 @@ def build_app(
     app.add_middleware(BodyValidation)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(LifecycleGate, lifecycle=lifecycle, retry_after=settings.retry_after_seconds)
-    keys = settings.keys()
-    if keys:
+    if settings.auth_configured:  # settings.load() refused a configured source without any key
+        keys = ApiKeys(settings.variable_keys(), settings.api_keys_file, read_keys_file)
         open_paths = frozenset(
             {"/health", "/ready", "/get_load"} | ({"/metrics"} if settings.metrics_open else set())
         )

@@ -10,6 +10,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -17,6 +21,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import http_metrics
 from .errors import send_error
 from .lifecycle import Lifecycle
+
+log = logging.getLogger("service.guards")
 
 
 class BodyTooLarge(Exception):
@@ -56,21 +62,82 @@ def replaying(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-class BearerAuth:
-    """Require ``Authorization: Bearer <key>`` except on ``open_paths`` (probes, optionally metrics)."""
+def _digests(keys: list[str]) -> list[bytes]:
+    return [hashlib.sha256(k.encode()).digest() for k in keys]
 
-    def __init__(self, app: ASGIApp, keys: list[str], open_paths: frozenset[str]) -> None:
+
+class ApiKeys:
+    """The accepted keys: ``QWEN4EXP_API_KEYS``'s (fixed) and the keys file's, re-read when it changes.
+
+    Rotation without a restart (a restart reloads the model, 20-30 minutes): before each check the
+    file's identity (inode, size, mtime, ctime; ``os.stat`` follows a Kubernetes Secret's
+    ``..data`` symlink swap) is compared with the one last read, and a changed file is read again.
+    A new version without any key, or one that cannot be read, is refused with an error in the log
+    and the previous keys stay in force: auth never turns itself off (fail closed).
+    """
+
+    def __init__(self, fixed: list[str], path: Path | None, read: Callable[[Path], list[str]]) -> None:
+        self.fixed = fixed
+        self.path = path
+        self.read = read
+        self._stamp: tuple[int, ...] | None = None
+        self._loaded = False
+        self.digests = _digests(fixed)
+        self.reload()
+
+    def _identity(self) -> tuple[int, ...] | None:
+        try:
+            st = os.stat(self.path) if self.path is not None else None
+        except OSError:
+            return None
+        return None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def reload(self) -> bool:
+        """Re-read the file if it changed since the last read; True when new keys took effect."""
+        if self.path is None:
+            return False
+        stamp = self._identity()
+        if stamp is None or stamp == self._stamp:
+            return False
+        try:
+            keys = self.fixed + self.read(self.path)
+        except OSError as exc:
+            log.error("API keys file %s unreadable (%s): keeping the previous keys", self.path, exc)
+            return False
+        self._stamp = stamp
+        if not keys:
+            log.error("API keys file %s now holds no key: keeping the previous keys (fail closed)", self.path)
+            return False
+        first = self._loaded is False
+        changed = _digests(keys) != self.digests
+        self.digests, self._loaded = _digests(keys), True
+        if changed and not first:
+            log.info("API keys reloaded from %s: %d key(s)", self.path, len(keys))
+        return changed
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+
+class BearerAuth:
+    """Require ``Authorization: Bearer <key>`` except on ``open_paths`` (probes, optionally metrics).
+
+    ``keys``: an :class:`ApiKeys` (reloaded before each check) or a fixed list.
+    """
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys | list[str], open_paths: frozenset[str]) -> None:
         self.app = app
-        self.digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+        self.keys = keys if isinstance(keys, ApiKeys) else ApiKeys(list(keys), None, lambda _: [])
         self.open_paths = open_paths
 
     def _valid(self, header: str | None) -> bool:
         scheme, _, token = (header or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return False
+        self.keys.reload()
         digest = hashlib.sha256(token.strip().encode()).digest()
         # Compare against every key so the time taken does not reveal which one matched.
-        return sum(hmac.compare_digest(digest, d) for d in self.digests) > 0
+        return sum(hmac.compare_digest(digest, d) for d in self.keys.digests) > 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:

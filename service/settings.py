@@ -101,10 +101,12 @@ class ServiceSettings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
     api_keys: str | None = Field(
         None,
-        description="Comma-separated bearer keys. With no key (here or in the file) auth is off.",
+        description="Comma-separated bearer keys. Neither this nor the file set: auth is off (warned).",
     )
     api_keys_file: Path | None = Field(
-        None, description="File with one key per line (`#` comments), e.g. a mounted secret."
+        None,
+        description="File with one key per line (`#` comments), e.g. a mounted secret; re-read when it "
+        "changes (no restart). Set but holding no key (and no `QWEN4EXP_API_KEYS`): start-up fails.",
     )
     metrics_open: bool = Field(False, description="Serve `/metrics` without a key.")
     max_concurrent_requests: int = Field(
@@ -167,15 +169,29 @@ class ServiceSettings(BaseSettings):
     def model_name(self) -> str:
         return self.served_model_name or self.model.name
 
+    def variable_keys(self) -> list[str]:
+        """The keys of ``QWEN4EXP_API_KEYS`` (fixed for the life of the process)."""
+        return [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
+
     def keys(self) -> list[str]:
-        """Every configured API key: the variable's and the file's."""
-        keys = [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
-        if self.api_keys_file is not None:
-            for line in self.api_keys_file.read_text().splitlines():
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    keys.append(line)
-        return keys
+        """Every configured API key: the variable's and the file's (as the file is now)."""
+        file_keys = read_keys_file(self.api_keys_file) if self.api_keys_file is not None else []
+        return self.variable_keys() + file_keys
+
+    @property
+    def auth_configured(self) -> bool:
+        """A key source is configured: from then on auth never turns itself off (fail closed)."""
+        return self.api_keys is not None or self.api_keys_file is not None
+
+
+def read_keys_file(path: Path) -> list[str]:
+    """One key per line; blank lines and ``#`` comments skipped; ``OSError`` if unreadable."""
+    keys = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            keys.append(line)
+    return keys
 
 
 def require_readable_file(path: Path) -> None:
@@ -236,7 +252,19 @@ def load() -> tuple[ServiceSettings, SimpleNamespace]:
     problems += model_problems
     if service is not None:
         try:
-            service.keys()
+            if service.auth_configured and not service.keys():
+                # Fail closed: an empty secret (a failed mount, a truncated write) must not open the API.
+                sources = [
+                    f"{_env_name(f)}={str(v)!r}"
+                    for f, v in (("api_keys_file", service.api_keys_file), ("api_keys", service.api_keys))
+                    if v is not None
+                ]
+                problems.append(
+                    f"{' and '.join(sources)}: no API key (an empty file or only comments); auth is "
+                    "configured, so it does not turn itself off; fix: write one key per line (bash "
+                    f"deploy/init-secrets.sh), or unset {PREFIX}API_KEYS_FILE and {PREFIX}API_KEYS to run "
+                    "without auth"
+                )
         except OSError as exc:
             problems.append(f"{PREFIX}API_KEYS_FILE: cannot read it ({exc}); fix: {FIXES['api_keys_file']}")
     if problems:

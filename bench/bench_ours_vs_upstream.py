@@ -1,10 +1,10 @@
 """Our Qwen4-Exp (vLLM plugin, V1 runner) against vLLM's own CUDA ``qwen4_exp`` on the ``qsa512``
 checkpoint: greedy parity with transformers, output tok/s, TTFT and cache bytes per sequence.
 
-Run on the GPU machine, from the repository root (vLLM's CUDA build in /tmp/site); these child
+Run on a CUDA host with the CUDA requirements installed, from the repository root; these child
 budgets keep the whole run (checkpoint ~40 s included) under about 9 minutes on an H200:
 
-    PYTHONPATH=$PWD:/tmp/site python3 bench/bench_ours_vs_upstream.py \\
+    PYTHONPATH=. python3 bench/bench_ours_vs_upstream.py \\
         --make-checkpoint /tmp/qsa512 --out $OUT/ovu --impls upstream,ours-eager,ours-loop \\
         --timeouts reference=90,upstream=150,ours-eager=140,ours-loop=110 --phase-timeout 60
 

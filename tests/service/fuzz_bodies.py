@@ -2,7 +2,7 @@
 
 Every top-level field of vLLM's ``CompletionRequest``/``ChatCompletionRequest`` (their pydantic
 JSON schema, i.e. what vLLM's ``/openapi.json`` publishes) gets values of its declared types and,
-as often, of the wrong type; the hand-picked edge cases of the issue (out-of-vocabulary and
+as often, of the wrong type; hand-picked edge cases (out-of-vocabulary and
 negative ids, empty and 1-token prompts, huge n/logprobs/max_tokens, broken JSON schemas,
 unicode junk, 5k-word prompts) come as explicit bodies.
 

@@ -2,54 +2,68 @@
 # Qwen4-Exp serving image for 4x RTX 3090 (sm_86, CUDA 13 driver >= 580): vLLM 0.32 + our plugin.
 #
 #   docker build -t qwen4exp-serve:0.1.0 .
+#   bash deploy/measure-image.sh qwen4exp-serve:0.1.0     # size of the image and of its layers
 #
-# - Base pinned by exact tag (pin by digest too when you mirror it: FROM nvidia/cuda:...@sha256:...).
-#   vllm==0.32.0 wheels pin torch==2.13.0 built for CUDA 13, so the base is a CUDA 13 *runtime* image
-#   (no toolkit); the torch/vLLM wheels bring cuBLAS, NCCL and Triton.
+# - vLLM's own image convention: the final stage starts from NVIDIA's CUDA *base* image (the CUDA
+#   runtime's cudart and the container toolkit's labels, no cuBLAS/cuDNN), because the torch and
+#   vLLM wheels bring every CUDA library they load (nvidia-* wheels in deploy/requirements-cuda.txt).
+#   NVIDIA_REQUIRE_CUDA=cuda>=13.0 of that base makes the NVIDIA runtime refuse a host driver too old
+#   for CUDA 13 at container creation. Base pinned by exact tag (add @sha256:... when you mirror it).
+# - Python 3.11, the version CI tests, installed by uv as a managed interpreter (as vLLM's image does
+#   for its PYTHON_VERSION) into /opt/python; Ubuntu 24.04's own python3 is 3.12.
+# - Packages: deploy/requirements-cuda.txt, hash-locked by uv's resolver for CPython 3.11 on Linux
+#   x86_64 (bash deploy/lock-requirements.sh), installed with --require-hashes --no-deps, so the
+#   image holds exactly the locked set. torchvision, torchaudio and torchcodec are not in it: vLLM
+#   declares them, this text-only model never imports them.
 # - No CUDA code is compiled here: our kernels are Triton, JIT-compiled for the GPU they run on the
 #   first time a shape is used (sm_86 on a 3090). TORCH_CUDA_ARCH_LIST=8.6 restricts any extension
-#   build to Ampere. Triton needs a C compiler and Python headers at run time to build its small
-#   launcher stubs, hence gcc/libc6-dev/python3-dev in the runtime image. Compiled kernels are cached
-#   under TRITON_CACHE_DIR/VLLM_CACHE_ROOT: mount a volume there (compose: qwen4exp-cache) to keep
-#   them across restarts; the first requests after a cold start pay the compilation.
+#   build to Ampere. Triton needs a C compiler at run time to build its small launcher stubs (the
+#   managed Python brings its headers), hence gcc/libc6-dev in the runtime image. Compiled kernels
+#   are cached under TRITON_CACHE_DIR/VLLM_CACHE_ROOT: mount a volume there (compose: qwen4exp-cache).
 # - The run-time CUDA C++ JIT users we know of are kept off (this image has no nvcc): vLLM's FlashInfer
 #   sampler is off (VLLM_USE_FLASHINFER_SAMPLER=0: vLLM's own sampler), and on the upstream CUDA path
 #   our subclass computes the indexer's Gemma RMS norm with vLLM's compiled op instead of FlashInfer's
 #   JIT kernel (model/vllm_adapter/upstream_qsa.py).
-# - Nothing is downloaded at run time and no model is baked in: mount the checkpoint read-only and
-#   point QWEN4EXP_MODEL at it. HF_HUB_OFFLINE=1 makes an accidental hub lookup fail fast.
+# - No model is baked in and serving never downloads: mount the checkpoint read-only and point
+#   QWEN4EXP_MODEL at it; HF_HUB_OFFLINE=1 makes an accidental hub lookup fail fast. compose's
+#   `download` profile turns it off for its one job (docs/deployment.md).
 # - Host driver: CUDA 13 needs NVIDIA driver >= 580, and GeForce cards (RTX 3090) get no forward
-#   compatibility. The base image's NVIDIA_REQUIRE_CUDA=cuda>=13.0 makes the NVIDIA runtime refuse
-#   an older driver at container creation ("requirement error: unsatisfied condition: cuda>=13.0");
-#   where that check does not run (CDI, NVIDIA_DISABLE_REQUIRE), `python -m service` runs its own
-#   preflight (service/cuda_preflight.py) and exits 3 naming the driver needed and found.
-FROM nvidia/cuda:13.0.2-runtime-ubuntu24.04 AS base
+#   compatibility. Where the runtime's check does not run (CDI, NVIDIA_DISABLE_REQUIRE),
+#   `python -m service` runs its own preflight (service/cuda_preflight.py) and exits 3 naming the
+#   driver needed and found.
+ARG UV_VERSION=0.13.9
+FROM ghcr.io/astral-sh/uv:${UV_VERSION} AS uv
+
+FROM nvidia/cuda:13.0.2-base-ubuntu24.04 AS base
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    UV_PYTHON_INSTALL_DIR=/opt/python \
+    UV_NO_CACHE=1
 
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
+ && apt-get install -y --no-install-recommends gcc libc6-dev ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 
-# ---- build: the virtual environment with pinned vLLM and our package -------------------------
+# ---- build: the interpreter and the virtual environment with the locked packages -------------
 FROM base AS build
-RUN python3 -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
+COPY --from=uv /uv /usr/local/bin/uv
+RUN uv python install 3.11 && uv venv --python 3.11 /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    VIRTUAL_ENV=/opt/venv
 COPY deploy/requirements-cuda.txt /tmp/requirements-cuda.txt
-RUN pip install -r /tmp/requirements-cuda.txt
+RUN uv pip install --require-hashes --no-deps -r /tmp/requirements-cuda.txt
 WORKDIR /src
 COPY pyproject.toml ./
 COPY model ./model
 COPY service ./service
-# --no-deps: every dependency is already pinned above; the package adds only our code and the
+# --no-deps: every dependency is already locked above; the package adds only our code and the
 # vllm.general_plugins entry point.
-RUN pip install --no-deps . \
- && python -c "import model.plugin, service.settings, vllm; assert vllm.__version__.startswith('0.32.')"
+RUN uv pip install --no-deps . \
+ && python -c "import model.plugin, service.settings, vllm; assert vllm.__version__.startswith('0.32.')" \
+ && python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('torchvision', 'torchaudio', 'torchcodec')))"
 
 # ---- runtime ------------------------------------------------------------------------------------
 FROM base AS runtime
@@ -57,6 +71,7 @@ RUN groupadd --gid 10001 app \
  && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/app --shell /usr/sbin/nologin app \
  && mkdir -p /home/app/.cache \
  && chown -R app:app /home/app
+COPY --from=build /opt/python /opt/python
 COPY --from=build /opt/venv /opt/venv
 
 ENV PATH=/opt/venv/bin:$PATH \

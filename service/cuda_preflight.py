@@ -13,9 +13,15 @@ fallback, the CUDA driver's ``cuDriverGetVersion`` (``libcuda.so.1``, no ``cuIni
 torch's own availability check. :func:`diagnose` is a pure function of those facts, tested on CPU
 with injected inputs; :func:`gather` reads the real ones.
 
-``python -m service.cuda_preflight --gpus 4 [--readable PATH ...]`` runs the same check by hand or
-as compose's one-shot ``preflight`` service, and also checks that files the service must read are
-readable by the user it runs as (the image's uid 10001).
+``python -m service.cuda_preflight --gpus 4 [--checkpoint DIR] [--readable PATH ...]`` runs the same
+check by hand or as compose's one-shot ``preflight`` service, and more, all before any weight is
+read (:mod:`service.preflight_checks`): the GPUs' count and compute capability, the implementation
+``QWEN4EXP_CUDA_MODEL`` serves for the checkpoint on them, the fit planner's plan for this TP and
+memory, memlock/cgroup/``/dev/shm`` for the pinned PLE tables, the KV-scale sidecar, the NVLink/P2P
+topology against the NCCL setting, and that files the service must read are readable by the user it
+runs as (the image's uid 10001). It prints one table row per check with its verdict and the time
+taken; any ``fail`` exits 3. ``--assume-gpu rtx3090`` evaluates a checkpoint for 3090s on a machine
+without them.
 """
 
 from __future__ import annotations
@@ -24,12 +30,37 @@ import argparse
 import ctypes
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from .preflight_checks import (
+    GPU_QUERY,
+    KNOWN_GPUS,
+    Check,
+    Gpu,
+    cgroup_memory_limit,
+    check_gpus,
+    check_implementation,
+    check_pinned_memory,
+    check_plan,
+    check_sidecar,
+    check_topology,
+    gpus_from_torch,
+    host_ram_gib,
+    parse_gpu_query,
+    parse_topology,
+    plan_for,
+    read_config,
+    render,
+    run_nvidia_smi,
+    shm_size,
+)
 
 # Linux driver needed per CUDA major version (minor-version compatibility: any 13.x runtime runs on
 # a 13.0-capable driver). 580.65.06 is the CUDA 13.0 GA driver.
@@ -360,7 +391,75 @@ def preflight_failure(device: str, gpus_needed: int) -> str | None:
     return diagnose(gather(), gpus_needed)
 
 
+def driver_check(facts: CudaFacts, gpus_needed: int) -> tuple[Check, str | None]:
+    """The driver row of the table, and the full failure message for stderr (None when it passes)."""
+    if facts.runtime_cuda is None:
+        return Check("driver", "skip", f"torch {facts.torch_version} is a CPU build: no CUDA check"), None
+    failure = diagnose(facts, gpus_needed)
+    if failure is not None:
+        return Check("driver", "fail", failure.splitlines()[0]), failure
+    detail = (
+        f"driver {facts.driver_version}"
+        + (f" (CUDA {cuda_str(facts.driver_cuda)})" if facts.driver_cuda else "")
+        + f" runs the CUDA {facts.runtime_cuda} runtime of torch {facts.torch_version}"
+    )
+    return Check("driver", "ok", detail), None
+
+
+def gpu_list(args: argparse.Namespace, facts: CudaFacts) -> tuple[list[Gpu] | None, str | None]:
+    """The GPUs to check: assumed (--assume-gpu), torch's, or nvidia-smi's; (None, why) without any."""
+    if args.assume_gpu:
+        gpu = KNOWN_GPUS[args.assume_gpu]
+        return [replace(gpu, index=i) for i in range(args.gpus)], None
+    if facts.runtime_cuda is not None and (gpus := gpus_from_torch()):
+        return gpus, None
+    out, why = run_nvidia_smi(f"--query-gpu={GPU_QUERY}", "--format=csv,noheader,nounits")
+    if out is None:
+        return None, why + (" (CPU machine; --assume-gpu rtx3090 checks the rest for a 3090)")
+    return parse_gpu_query(out), None
+
+
+def checkpoint_checks(checkpoint: Path, gpus: list[Gpu] | None, tp: int, env: dict[str, str]) -> list[Check]:
+    """The checkpoint against these GPUs: the implementation served, the memory plan, memlock and
+    cgroup limits for the pinned PLE tables, and the KV-scale sidecar."""
+    try:
+        config = read_config(checkpoint)
+    except (OSError, ValueError) as exc:
+        return [Check("checkpoint", "fail", f"{checkpoint}/config.json: {exc}; fix: QWEN4EXP_MODEL_DIR")]
+    checks = [check_implementation(config, env, gpus[0] if gpus else None)]
+    if not gpus:
+        checks.append(Check("memory plan", "skip", "no GPU memory to plan for"))
+    else:
+        try:
+            plan = plan_for(checkpoint, gpus, tp, env, host_ram_gib(Path("/proc/meminfo").read_text()))
+        except (OSError, ValueError, KeyError) as exc:
+            checks.append(Check("memory plan", "fail", f"the fit planner cannot plan {checkpoint}: {exc}"))
+        else:
+            checks.append(check_plan(plan, env))
+            offload = (env.get("VLLM_PLE_CPU_OFFLOAD") or "1").strip().lower() not in (
+                "0",
+                "false",
+                "no",
+                "off",
+            )
+            memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+            checks += check_pinned_memory(plan, memlock, cgroup_memory_limit(), shm_size(), offload)
+    checks.append(check_sidecar(checkpoint, env))
+    return checks
+
+
+def topology_check(args: argparse.Namespace, env: dict[str, str]) -> Check:
+    if args.assume_gpu:
+        return Check("NCCL topology", "skip", "assumed GPUs: no links to read")
+    links, why = run_nvidia_smi("topo", "-m")
+    if links is None:
+        return Check("NCCL topology", "skip", why or "no topology")
+    p2p, _ = run_nvidia_smi("topo", "-p2p", "r")
+    return check_topology(parse_topology(links), parse_topology(p2p or ""), env)
+
+
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     parser = argparse.ArgumentParser(
         prog="python -m service.cuda_preflight", description=__doc__.split("\n")[0]
     )
@@ -369,20 +468,51 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--readable", action="append", default=[], help="a path this user must read (empty: skipped)"
     )
+    parser.add_argument(
+        "--checkpoint", type=Path, help="checkpoint directory to check against the GPUs (compose: the mount)"
+    )
+    parser.add_argument(
+        "--assume-gpu",
+        choices=sorted(KNOWN_GPUS),
+        help="evaluate for --gpus of this GPU instead of the visible ones (planning on a machine without them)",
+    )
     args = parser.parse_args(argv)
-    problems = [msg for path in args.readable if path and (msg := unreadable(Path(path)))]
+    env = dict(os.environ)
+    checks: list[Check] = []
+    problems: list[str] = []
+    for path in args.readable:
+        if path:
+            msg = unreadable(Path(path))
+            checks.append(
+                Check(f"readable {path}", "fail" if msg else "ok", msg or f"uid {os.getuid()} reads it")
+            )
+            if msg:
+                problems.append(msg)
     facts = gather(args.cuda)
-    if facts.runtime_cuda is None:
-        print(f"torch {facts.torch_version} is a CPU build: no CUDA check")
-    elif (failure := diagnose(facts, args.gpus)) is not None:
+    row, failure = driver_check(facts, args.gpus)
+    checks.append(row)
+    if failure:
         problems.append(failure)
-    else:
+    gpus, why = gpu_list(args, facts)
+    checks += check_gpus(gpus, args.gpus, why)
+    if args.checkpoint is not None:
+        checks += checkpoint_checks(args.checkpoint, gpus, args.gpus, env)
+    checks.append(topology_check(args, env))
+    print(render(checks, time.monotonic() - started), flush=True)
+    if row.verdict == "ok":
         print(
             f"CUDA preflight ok: driver {facts.driver_version}"
             + (f" (CUDA {cuda_str(facts.driver_cuda)})" if facts.driver_cuda else "")
             + f", CUDA {facts.runtime_cuda} runtime, {len(facts.gpu_names or ())} GPU(s): "
             + ", ".join(facts.gpu_names or ())
         )
+    elif row.verdict == "skip":
+        print(f"torch {facts.torch_version} is a CPU build: no CUDA check")
+    problems += [
+        f"preflight failed: {c.name}: {c.detail}"
+        for c in checks
+        if c.verdict == "fail" and not c.name.startswith(("readable ", "driver"))
+    ]
     for problem in problems:
         sys.stderr.write(problem + "\n")
     return PREFLIGHT_EXIT_CODE if problems else 0

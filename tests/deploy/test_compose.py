@@ -20,13 +20,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, ensure_checkpoint
 
 from .tools import DASHBOARDS, PROMETHEUS_CONFIG, run, tool
 
 SERVICES = {
     "preflight",
     "qwen4exp",
+    "qwen4exp-a",  # the scale profile: two replicas and vllm-router
+    "qwen4exp-b",
+    "router",
+    "download",
+    "convert",
+    "calibrate",
     "prometheus",
     "alertmanager",
     "grafana",
@@ -53,10 +59,34 @@ def _config(*extra: str) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def _resolved() -> dict:
-    code, out = _config("--env-file", str(ROOT / ".env.example"))
+def example_env_text(**overrides: str) -> str:
+    """.env.example as a user has it after ``deploy/init-secrets.sh`` (which writes the Grafana
+    password), with ``overrides`` applied (NAME= lines replaced, or appended)."""
+    text = (ROOT / ".env.example").read_text()
+    for name, value in {"GRAFANA_ADMIN_PASSWORD": "generated-by-init-secrets", **overrides}.items():
+        if re.search(rf"^{name}=", text, re.M):
+            text = re.sub(rf"^{name}=.*$", f"{name}={value}", text, flags=re.M)
+        else:
+            text += f"\n{name}={value}\n"
+    return text
+
+
+def _config_with(tmp_dir: Path, *extra: str, **overrides: str) -> tuple[int, str]:
+    env = tmp_dir / "compose.env"
+    env.write_text(example_env_text(**overrides))
+    return _config("--env-file", str(env), *extra)
+
+
+def _resolved(*extra: str, **overrides: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        code, out = _config_with(Path(tmp), *extra, **overrides)
     assert code == 0, out
     return yaml.safe_load(out)
+
+
+def test_env_example_alone_is_refused_until_init_secrets_sets_the_grafana_password():
+    code, out = _config("--env-file", str(ROOT / ".env.example"))
+    assert code != 0 and "GRAFANA_ADMIN_PASSWORD" in out and "init-secrets.sh" in out
 
 
 def test_compose_config_parses_with_env_example():
@@ -71,7 +101,7 @@ def test_required_variables_fail_without_env_file(tmp_path):
     assert code != 0
     assert "QWEN4EXP_MODEL_DIR" in out
     # Each required file is named when it alone is missing (no silent default for a secret).
-    example = (ROOT / ".env.example").read_text()
+    example = example_env_text()
     for var in (
         "QWEN4EXP_API_KEYS_FILE_HOST",
         "ALERTMANAGER_WEBHOOK_URL_FILE_HOST",
@@ -169,10 +199,13 @@ def test_alertmanager_config_is_valid_and_wired():
 def test_scrape_targets_are_compose_services_and_exporters_feed_the_dashboard():
     services = _resolved()["services"]
     prom = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    scale = _resolved("--profile", "scale")["services"]  # the scale profile's replicas and router
     for job in prom["scrape_configs"]:
-        for target in job["static_configs"][0]["targets"]:
+        for target in job.get("static_configs", [{}])[0].get("targets", []):
             host = target.split(":")[0]
             assert host == "localhost" or host in services, (job["job_name"], target)
+        for dns in job.get("dns_sd_configs", []):
+            assert set(dns["names"]) <= set(scale), (job["job_name"], dns["names"])
     dcgm = services["dcgm-exporter"]
     assert dcgm["deploy"] == services["qwen4exp"]["deploy"]  # sees the same GPUs
     counters_in = dcgm["command"][dcgm["command"].index("-f") + 1]
@@ -248,11 +281,7 @@ def test_init_secrets_makes_files_the_service_user_can_read(tmp_path):
 def test_kv_scales_can_be_turned_off_for_the_bf16_cache(tmp_path):
     """VLLM_QSA_KV_SCALES= (empty) reaches the service empty (= unset for the model code); the
     preflight then skips that path (an empty --readable)."""
-    env = tmp_path / "bf16.env"
-    text = (ROOT / ".env.example").read_text()
-    text = re.sub(r"^VLLM_QSA_KV_SCALES=.*$", "VLLM_QSA_KV_SCALES=", text, flags=re.M)
-    env.write_text(re.sub(r"^QWEN4EXP_KV_CACHE_DTYPE=.*$", "QWEN4EXP_KV_CACHE_DTYPE=auto", text, flags=re.M))
-    code, out = _config("--env-file", str(env))
+    code, out = _config_with(tmp_path, VLLM_QSA_KV_SCALES="", QWEN4EXP_KV_CACHE_DTYPE="auto")
     assert code == 0, out
     services = yaml.safe_load(out)["services"]
     assert services["qwen4exp"]["environment"]["VLLM_QSA_KV_SCALES"] in ("", None)
@@ -260,3 +289,267 @@ def test_kv_scales_can_be_turned_off_for_the_bf16_cache(tmp_path):
     skipped = run([sys.executable, "-m", "service.cuda_preflight", *argv[3:]], cwd=ROOT)
     # Here neither mount exists: exactly the two real paths are reported, the empty one is skipped.
     assert argv.count("--readable") == 3 and skipped.stderr.count("cannot read") == 2, skipped.stderr
+
+
+# ---- every variable from .env ------------------------------------------------------------------
+
+# Fixed by compose's layout (container paths, the 4 reserved GPUs) or read only by the test suite.
+FIXED = {
+    "QWEN4EXP_MODEL",
+    "QWEN4EXP_API_KEYS_FILE",
+    "QWEN4EXP_HOST",
+    "QWEN4EXP_PORT",
+    "QWEN4EXP_DEVICE",
+    "QWEN4EXP_TENSOR_PARALLEL_SIZE",
+    # A secret in the environment: use the keys file (QWEN4EXP_API_KEYS_FILE_HOST).
+    "QWEN4EXP_API_KEYS",
+    # Fault injection and the engine-death marker exist for the test suite.
+    "QWEN4EXP_ENGINE_FATAL_FILE",
+    "QWEN4EXP_FAULT_INJECT_TOKEN",
+    "QWEN4EXP_FAULT_INJECT_FATAL_TOKEN",
+}
+
+
+def service_variables() -> set[str]:
+    from model import envs
+    from service.settings import ServiceSettings
+
+    return {"QWEN4EXP_" + f.upper() for f in ServiceSettings.model_fields} | set(envs.BY_NAME)
+
+
+def test_every_service_variable_is_set_from_dot_env():
+    """Each variable of the service is interpolated from .env (documented in .env.example), and the
+    rest of the environment comes from QWEN4EXP_ENV_FILE, read by every model container."""
+    raw = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    env = raw["x-qwen4exp-env"]
+    documented = {
+        ln.split("=", 1)[0] for ln in (ROOT / ".env.example").read_text().splitlines() if ln and ln[0] != "#"
+    }
+    missing = sorted(
+        name
+        for name in service_variables() - FIXED
+        if not str(env.get(name, "")).startswith("${" + name) or name not in documented
+    )
+    # A variable added to the service after compose.yaml was written shows up here with its name.
+    unknown_new = {n for n in missing if n.endswith(("_TIMEOUT_SECONDS", "_MEMORY_BYTES"))}
+    assert not (set(missing) - unknown_new), missing
+    for name in (
+        "NCCL_P2P_DISABLE",
+        "NCCL_IB_DISABLE",
+        "NCCL_SHM_DISABLE",
+        "NCCL_CUMEM_ENABLE",
+        "NCCL_DEBUG",
+    ):
+        assert str(env[name]).startswith("${" + name) and name in documented, name
+
+
+def test_values_from_dot_env_and_the_env_file_reach_every_model_container(tmp_path):
+    extra = tmp_path / "qwen4exp.env"
+    extra.write_text("NCCL_P2P_LEVEL=NVL\nVLLM_LOGGING_LEVEL=DEBUG\n")
+    services = _resolved(
+        QWEN4EXP_CUDA_MODEL="ours",
+        QWEN4EXP_ENFORCE_EAGER="true",
+        QWEN4EXP_MAX_NUM_SEQS="24",
+        NCCL_P2P_DISABLE="0",
+        VLLM_QSA_KV_COLLECT="/home/app/.cache/kv",
+        QWEN4EXP_ENV_FILE=str(extra),
+    )["services"]
+    svc = services["qwen4exp"]["environment"]
+    assert (svc["QWEN4EXP_CUDA_MODEL"], svc["QWEN4EXP_ENFORCE_EAGER"], svc["QWEN4EXP_MAX_NUM_SEQS"]) == (
+        "ours",
+        "true",
+        "24",
+    )
+    assert svc["NCCL_P2P_DISABLE"] == "0" and svc["VLLM_QSA_KV_COLLECT"] == "/home/app/.cache/kv"
+    for name in ("preflight", "qwen4exp", "calibrate", "download", "convert"):
+        env = services[name]["environment"]
+        assert env["NCCL_P2P_LEVEL"] == "NVL" and env["VLLM_LOGGING_LEVEL"] == "DEBUG", name
+    # The preflight sees exactly the service's configuration (it checks it).
+    pre = services["preflight"]["environment"]
+    assert {k: v for k, v in pre.items()} == svc
+
+
+# ---- hardening ---------------------------------------------------------------------------------
+
+
+def test_every_container_is_hardened_and_prometheus_lifecycle_is_off():
+    services = _resolved()["services"]
+    for name, svc in services.items():
+        assert svc.get("cap_drop") == ["ALL"], name
+        assert "no-new-privileges:true" in svc.get("security_opt", []), name
+        assert svc.get("read_only") is True, name
+        assert any(t.startswith("/tmp:") for t in svc.get("tmpfs", [])), name
+    for name in ("preflight", "qwen4exp", "calibrate"):
+        (tmp,) = services[name]["tmpfs"]
+        assert ",exec" in tmp, "Triton loads launcher stubs it builds under /tmp"
+    assert not any("lifecycle" in arg for arg in services["prometheus"]["command"])
+    assert "web.enable-admin-api" not in " ".join(services["prometheus"]["command"])
+
+
+# ---- the one-shot profiles ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("profile", ["download", "convert", "calibrate"])
+def test_each_profile_parses_and_stays_out_of_a_plain_up(profile):
+    services = _resolved("--profile", profile)["services"]
+    assert services[profile]["profiles"] == [profile]
+    assert services[profile]["restart"] == "no"
+    serving = {
+        "preflight",
+        "qwen4exp",
+        "prometheus",
+        "alertmanager",
+        "grafana",
+        "dcgm-exporter",
+        "node-exporter",
+    }
+    assert not any("profiles" in services[s] for s in serving)
+
+
+def _argv(svc: dict, paths: dict[str, str]) -> list[str]:
+    """The service's entrypoint with container paths replaced by local ones, run with this Python."""
+    argv = [sys.executable if a == "python" else a for a in svc["entrypoint"]]
+    out = []
+    for a in argv:
+        for container, local in paths.items():
+            if a == container or a.startswith(container + "/"):
+                a = local + a[len(container) :]
+        out.append(a)
+    return out
+
+
+def test_download_profile_against_a_local_hub_mirror_resumes(tmp_path):
+    from .hub_mirror import HubMirror
+
+    repo = "acme/qwen4-exp-tiny"
+    tiny = ensure_checkpoint("tiny")
+    shutil.copytree(tiny, tmp_path / "hub" / repo)
+    token = tmp_path / "hf-token"
+    token.write_text("")  # a public repository: the secret file is empty
+    with HubMirror(tmp_path / "hub") as hub:
+        svc = _resolved("--profile", "download", QWEN4EXP_HF_REPO=repo, HF_ENDPOINT=hub.url)["services"][
+            "download"
+        ]
+        assert svc["secrets"][0]["source"] == "hf-token" if isinstance(svc["secrets"][0], dict) else True
+        env = dict(svc["environment"])
+        assert env["HF_HUB_OFFLINE"] == "0" and env["HF_TOKEN_PATH"] == "/run/secrets/hf-token"
+        env.update(HF_TOKEN_PATH=str(token), HF_HOME=str(tmp_path / "hf-home"))
+        source = tmp_path / "source"
+        argv = _argv(svc, {"/source": str(source)})
+        first = run(argv, cwd=ROOT, env=env, timeout=300)
+        assert first.returncode == 0, first.stdout + first.stderr
+        assert "files" in first.stdout and "free at" in first.stdout  # size vs free space, first
+        for f in tiny.iterdir():
+            assert (source / f.name).read_bytes() == f.read_bytes(), f.name
+        fetched = sum(hub.gets.values())
+        # Interrupted download: one file gone, one cut short. Only those two are fetched again.
+        (source / "config.json").unlink()
+        weights = source / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:1000])
+        again = run(argv, cwd=ROOT, env=env, timeout=300)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert sum(hub.gets.values()) - fetched == 2, dict(hub.gets)
+        assert weights.read_bytes() == (tiny / "model.safetensors").read_bytes()
+    empty = run(
+        _argv(svc, {"/source": str(source)})[:3] + ["", "--local-dir", str(source)], cwd=ROOT, env=env
+    )
+    assert empty.returncode == 2 and "QWEN4EXP_HF_REPO" in empty.stderr
+
+
+def test_convert_profile_prints_its_disk_estimate_first_and_converts_tiny(tmp_path):
+    svc = _resolved("--profile", "convert")["services"]["convert"]
+    mounts = {v["target"]: v for v in svc["volumes"]}
+    assert mounts["/source"]["read_only"] is True and not mounts["/models/qwen4-exp"].get("read_only")
+    paths = {"/source": str(ensure_checkpoint("tiny")), "/models/qwen4-exp": str(tmp_path / "out")}
+    paths["/scratch"] = str(tmp_path / "scratch")
+    argv = _argv(svc, paths)
+    # tiny's experts (intermediate 64) do not tile 4 ranks with an int4 group of 32: TP 2 here.
+    assert argv[argv.index("--tp") + 1] == "4"
+    argv[argv.index("--tp") + 1] = "2"
+    proc = run(argv, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.index("disk estimate") < out.index("model.ple_quantize") < out.index("model.quantize")
+    estimate = re.search(r"\| output: servable checkpoint \| ([\d.,]+) (MB|GB) \|", out)
+    assert estimate, out
+    actual = sum(f.stat().st_size for f in (tmp_path / "out").iterdir())
+    scale = 1e6 if estimate.group(2) == "MB" else 1e9
+    assert abs(float(estimate.group(1).replace(",", "")) * scale - actual) / actual < 0.1, (estimate, actual)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["quantization_config"]
+    assert not any((tmp_path / "scratch").iterdir())  # the intermediate is gone
+    assert all(f.stat().st_mode & 0o444 == 0o444 for f in (tmp_path / "out").iterdir())  # uid 10001 reads
+
+
+def _dump(directory: Path, model: str, layers: list[str], tp_rank: int, tp_size: int, absmax: float) -> None:
+    """One rank's collector dump, in the format the collector writes (model/qsa_kv/runtime.py)."""
+    from model.qsa_kv.runtime import DUMP_FORMAT
+
+    doc = {
+        "format": DUMP_FORMAT,
+        "dp_rank": 0,
+        "pp_rank": 0,
+        "tp_rank": tp_rank,
+        "pp_size": 1,
+        "tp_size": tp_size,
+        "model": model,
+        "kv_cache_dtype": "auto",
+        "expected_layers": layers,
+        "layers": {n: {"k_absmax": absmax, "v_absmax": absmax / 2, "tokens": 181} for n in layers},
+        "final": True,
+    }
+    (directory / f"qsa_kv_absmax_dp0_pp0_tp{tp_rank}.json").write_text(json.dumps(doc))
+
+
+def test_calibrate_profile_writes_the_sidecar_the_serving_preflight_accepts(tmp_path):
+    """The calibrate service: eager, bf16 cache, the collector in the cache volume, the sidecar into
+    the directory the service mounts at /sidecar. Its merge step runs here on dumps of two ranks
+    (a real collecting run of tiny takes minutes on this CPU), and the serving preflight, the check
+    `docker compose up` runs first, accepts the result; a sidecar of another model it refuses."""
+    services = _resolved("--profile", "calibrate")["services"]
+    cal, svc = services["calibrate"], services["qwen4exp"]
+    env = cal["environment"]
+    assert env["QWEN4EXP_ENFORCE_EAGER"] == "true" and env["QWEN4EXP_KV_CACHE_DTYPE"] == "auto"
+    assert env["VLLM_QSA_KV_SCALES"] == "" and env["QWEN4EXP_HOST"] == "127.0.0.1"
+    argv = cal["entrypoint"]
+    dumps_in, out = argv[argv.index("--dumps") + 1], argv[argv.index("--out") + 1]
+    mounts = {v["target"]: v for v in cal["volumes"]}
+    assert (
+        dumps_in.startswith("/home/app/.cache/") and mounts["/home/app/.cache"]["source"] == "qwen4exp-cache"
+    )
+    assert out == svc["environment"]["VLLM_QSA_KV_SCALES"]  # what the serving profile reads
+    assert not mounts["/sidecar"].get("read_only")
+    assert mounts["/sidecar"]["source"] == {v["target"]: v for v in svc["volumes"]}["/sidecar"]["source"]
+    assert cal["deploy"] == svc["deploy"]
+
+    tiny = ensure_checkpoint("tiny")
+    layers = [
+        f"model.layers.{i}.self_attn"
+        for i, t in enumerate(json.loads((tiny / "config.json").read_text())["layer_types"])
+        if t != "linear_attention"
+    ]
+    dumps, sidecar = tmp_path / "dumps", tmp_path / "sidecar"
+    dumps.mkdir()
+    for rank, absmax in ((0, 4.0), (1, 5.0625)):
+        _dump(dumps, str(tiny), layers, rank, 2, absmax)
+    paths = {"/home/app/.cache/qsa-kv-dumps": str(dumps), "/sidecar": str(sidecar)}
+    merge = _argv(cal, paths)
+    merge = [a for a in merge if a != "/calibration/prompts.txt" and a != "--prompts"] + ["--merge-only"]
+    proc = run(merge, cwd=ROOT, env={"QWEN4EXP_MODEL": str(tiny)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = sidecar / "qsa-kv-scales.json"
+    scales = json.loads(written.read_text())
+    assert set(scales) == set(layers)
+    assert abs(scales[layers[0]]["k_scale"] - 5.0625 / 448 * 1.1) < 1e-9  # max over ranks, margin 1.1
+
+    def serving_preflight(scales_path: Path) -> subprocess.CompletedProcess:
+        env = {"QWEN4EXP_KV_CACHE_DTYPE": "fp8", "VLLM_QSA_KV_SCALES": str(scales_path)}
+        return run([sys.executable, "-m", "service.cuda_preflight", "--gpus", "1", "--checkpoint", str(tiny)],
+                   cwd=ROOT, env=env)  # fmt: skip
+
+    ok = serving_preflight(written)
+    assert ok.returncode == 0 and re.search(r"\| KV scales \| ok \|", ok.stdout), ok.stdout + ok.stderr
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"model.layers.99.self_attn": {"k_scale": 0.01, "v_scale": 0.01}}))
+    refused = serving_preflight(other)
+    assert refused.returncode == 3 and re.search(r"\| KV scales \| fail \|", refused.stdout), refused.stdout

@@ -6,6 +6,9 @@ image's CUDA runtime and must fail naming driver >= 580.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -139,13 +142,14 @@ def test_unreadable_secret_message_says_how_to_fix():
     assert unreadable(ROOT / "pyproject.toml") is None
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "service.cuda_preflight", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -184,7 +188,7 @@ def test_the_images_cuda_and_the_documented_driver_agree_with_the_table():
     from service.cuda_preflight import required_driver
 
     dockerfile = (ROOT / "Dockerfile").read_text()
-    major, minor = re.search(r"^FROM nvidia/cuda:(\d+)\.(\d+)\.\d+-runtime", dockerfile, re.M).groups()
+    major, minor = re.search(r"^FROM nvidia/cuda:(\d+)\.(\d+)\.\d+-base", dockerfile, re.M).groups()
     driver = required_driver(f"{major}.{minor}")[0]
     assert driver == 580
     # The NVIDIA runtime's own check (the base image's NVIDIA_REQUIRE_CUDA) must stay on.
@@ -192,3 +196,152 @@ def test_the_images_cuda_and_the_documented_driver_agree_with_the_table():
     assert not [ln for ln in code if "NVIDIA_DISABLE_REQUIRE" in ln or "NVIDIA_REQUIRE_CUDA" in ln]
     for doc in ("README.md", "deploy/README.md", "k8s/qwen4exp/README.md"):
         assert f"driver >= {driver}" in (ROOT / doc).read_text(), doc
+
+
+# ---- the deployment preflight's other checks (service/preflight_checks.py) ----------------------
+
+# Recorded from a 4x RTX 3090 host with one NVLink bridge (GPU0-GPU1): nvidia-smi 580.
+SMI_QUERY_3090 = """0, NVIDIA GeForce RTX 3090, 8.6, 24576, 580.95.05
+1, NVIDIA GeForce RTX 3090, 8.6, 24576, 580.95.05
+2, NVIDIA GeForce RTX 3090, 8.6, 24576, 580.95.05
+3, NVIDIA GeForce RTX 3090, 8.6, 24576, 580.95.05
+"""
+TOPO_NVLINK_PAIR = """\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID
+GPU0\t X \tNV4\tPHB\tPHB\t0-31\t0\t\tN/A
+GPU1\tNV4\t X \tPHB\tPHB\t0-31\t0\t\tN/A
+GPU2\tPHB\tPHB\t X \tPHB\t0-31\t0\t\tN/A
+GPU3\tPHB\tPHB\tPHB\t X \t0-31\t0\t\tN/A
+
+Legend:
+
+  X    = Self
+  NV#  = Connection traversing a bonded set of # NVLinks
+"""
+TOPO_PCIE = TOPO_NVLINK_PAIR.replace("NV4", "PHB")
+P2P_READ_GEFORCE = """ \tGPU0\tGPU1\tGPU2\tGPU3
+ GPU0\tX\tOK\tNS\tNS
+ GPU1\tOK\tX\tNS\tNS
+ GPU2\tNS\tNS\tX\tNS
+ GPU3\tNS\tNS\tNS\tX
+
+Legend:
+  X    = Self
+  OK   = Status Ok
+  NS   = Not supported
+"""
+
+
+def test_gpu_query_and_topology_parse_recorded_nvidia_smi_output():
+    from service.preflight_checks import check_gpus, parse_gpu_query, parse_topology
+
+    gpus = parse_gpu_query(SMI_QUERY_3090)
+    assert [g.capability for g in gpus] == [(8, 6)] * 4 and gpus[0].shared_memory_per_block == 101376
+    assert gpus[3].memory_mib == 24576
+    assert [c.verdict for c in check_gpus(gpus, 4, None)] == ["ok", "ok"]
+    assert check_gpus(gpus[:3], 4, None)[0].verdict == "fail"
+    assert [c.verdict for c in check_gpus(None, 4, "nvidia-smi not found")] == ["skip", "skip"]
+    links = parse_topology(TOPO_NVLINK_PAIR)
+    assert links[(0, 1)] == links[(1, 0)] == "NV4" and links[(2, 3)] == "PHB" and len(links) == 12
+    p2p = parse_topology(P2P_READ_GEFORCE)
+    assert p2p[(0, 1)] == "OK" and p2p[(0, 2)] == "NS"
+
+
+@pytest.mark.parametrize(
+    "topo, env, verdict, says",
+    [
+        (TOPO_PCIE, {"NCCL_P2P_DISABLE": "1"}, "ok", "SHM transport"),
+        (TOPO_PCIE, {"NCCL_P2P_DISABLE": "0"}, "fail", "NCCL_P2P_DISABLE=1"),
+        (TOPO_NVLINK_PAIR, {"NCCL_P2P_DISABLE": "1"}, "warn", "NCCL_P2P_LEVEL=NVL"),
+        (TOPO_NVLINK_PAIR, {"NCCL_P2P_DISABLE": "0"}, "warn", "fix: NCCL_P2P_LEVEL=NVL"),
+        (TOPO_NVLINK_PAIR, {"NCCL_P2P_DISABLE": "0", "NCCL_P2P_LEVEL": "NVL"}, "ok", "GPU0-GPU1"),
+    ],
+)
+def test_topology_implies_the_nccl_setting(topo, env, verdict, says):
+    from service.preflight_checks import check_topology, parse_topology
+
+    check = check_topology(parse_topology(topo), parse_topology(P2P_READ_GEFORCE), env)
+    assert check.verdict == verdict and says in check.detail, check
+
+
+def _example_plan(**env: str):
+    from service.preflight_checks import parse_gpu_query, plan_for
+
+    return plan_for(
+        ROOT / "deploy" / "qwen4-exp-config.example.json", parse_gpu_query(SMI_QUERY_3090), 4, env, 128.0
+    )
+
+
+def test_memory_plan_memlock_cgroup_and_shm_verdicts():
+    import resource
+
+    from service.preflight_checks import check_pinned_memory, check_plan
+
+    plan = _example_plan(
+        QWEN4EXP_KV_CACHE_DTYPE="fp8", QWEN4EXP_MAX_MODEL_LEN="32768", QWEN4EXP_GPU_MEMORY_UTILIZATION="0.92"
+    )
+    fits = check_plan(plan, {"QWEN4EXP_MAX_NUM_SEQS": "32"})
+    assert fits.verdict == "ok" and "int4" in fits.detail, fits
+    assert check_plan(plan, {"QWEN4EXP_MAX_NUM_SEQS": "64"}).verdict == "warn"
+    poor = _example_plan(QWEN4EXP_KV_CACHE_DTYPE="fp8")
+    poor.machine.host_ram_gib = 64.0  # the bf16 PLE tables alone are 84 GiB
+    starved = check_plan(poor, {})
+    assert starved.verdict == "fail" and "convert the tables" in starved.detail, starved
+    gib = 1 << 30
+    ok = check_pinned_memory(plan, resource.RLIM_INFINITY, None, 8 * gib, True)
+    assert [c.verdict for c in ok] == ["ok", "ok", "ok"], ok
+    small = check_pinned_memory(plan, 8 << 20, 32 * gib, 64 << 20, True)
+    assert [c.verdict for c in small] == ["fail", "fail", "warn"], small
+    assert "ulimit -l" in small[0].detail and "memlock" in small[0].detail
+    assert check_pinned_memory(plan, 8 << 20, None, 8 * gib, False)[0].verdict == "skip"
+
+
+def test_implementation_is_a_choice_for_the_gpus():
+    from service.preflight_checks import KNOWN_GPUS, check_implementation
+
+    config = json.loads((ROOT / "deploy" / "qwen4-exp-config.example.json").read_text())
+    auto = check_implementation(config, {"QWEN4EXP_KV_CACHE_DTYPE": "fp8"}, KNOWN_GPUS["rtx3090"])
+    assert auto.verdict == "ok" and "sm_86" in auto.detail, auto
+    # A QSA top-k upstream's kernels lack (1000 / 4 = 250 blocks): auto picks ours and says why.
+    wide = {**config, "indexer_budget": 1000}
+    chosen = check_implementation(wide, {}, KNOWN_GPUS["rtx3090"])
+    assert chosen.verdict == "ok" and chosen.detail.startswith("ours"), chosen
+    forced = check_implementation(wide, {"QWEN4EXP_CUDA_MODEL": "upstream"}, KNOWN_GPUS["rtx3090"])
+    assert forced.verdict == "fail" and "upstream cannot serve" in forced.detail, forced
+    assert check_implementation(config, {}, KNOWN_GPUS["h200"]).detail.startswith("upstream")
+    assert check_implementation(config, {}, None).verdict == "skip"
+
+
+def test_preflight_on_this_machine_prints_every_check_with_its_verdict_and_time(tmp_path):
+    """The CPU build here: the GPU rows skip with the reason, the rest is checked; and the same
+    command with --assume-gpu rtx3090 evaluates the example config for a 4x3090 node."""
+    import re
+
+    import torch
+
+    from tests.conftest import ensure_checkpoint
+
+    tiny = ensure_checkpoint("tiny")
+    proc = _cli("--gpus", "4", "--checkpoint", str(tiny), "--readable", str(tiny / "config.json"))
+    rows = dict(re.findall(r"^\| ([^|]+?) \| (ok|warn|fail|skip) \|", proc.stdout, re.M))
+    expected = {
+        "driver",
+        "GPU count",
+        "compute capability",
+        "implementation",
+        "memory plan",
+        "KV scales",
+        "NCCL topology",
+    }
+    assert expected <= set(rows), proc.stdout
+    assert re.search(r"preflight: \d+ checks \(.*\) in \d+\.\d\d s", proc.stdout), proc.stdout
+    if torch.version.cuda is None and shutil.which("nvidia-smi") is None:
+        assert rows["driver"] == rows["GPU count"] == rows["NCCL topology"] == "skip"
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    example = tmp_path / "example"
+    example.mkdir()
+    shutil.copy(ROOT / "deploy" / "qwen4-exp-config.example.json", example / "config.json")
+    env = {"QWEN4EXP_KV_CACHE_DTYPE": "fp8", "QWEN4EXP_MAX_NUM_SEQS": "32", "QWEN4EXP_MAX_MODEL_LEN": "32768"}
+    assumed = _cli("--gpus", "4", "--checkpoint", str(example), "--assume-gpu", "rtx3090", env=env)
+    rows = dict(re.findall(r"^\| ([^|]+?) \| (ok|warn|fail|skip) \|", assumed.stdout, re.M))
+    assert rows["GPU count"] == rows["compute capability"] == rows["implementation"] == "ok", assumed.stdout
+    assert rows["memory plan"] in ("ok", "fail") and rows["KV scales"] == "warn", assumed.stdout

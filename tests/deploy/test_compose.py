@@ -236,6 +236,7 @@ def test_secrets_and_env_are_git_ignored():
 def _init_secrets(workdir, *args: str) -> subprocess.CompletedProcess:
     (workdir / "deploy").mkdir(exist_ok=True)
     shutil.copy(ROOT / "deploy" / "init-secrets.sh", workdir / "deploy" / "init-secrets.sh")
+    shutil.copy(ROOT / ".env.example", workdir / ".env.example")
     return run(["bash", str(workdir / "deploy" / "init-secrets.sh"), *args])
 
 
@@ -258,9 +259,20 @@ def test_init_secrets_makes_files_the_service_user_can_read(tmp_path):
     assert secrets.stat().st_mode & 0o777 == 0o700
     for name in ("api-keys", "alertmanager-webhook-url"):
         assert (secrets / name).stat().st_mode & 0o777 == 0o644, name
+    assert (secrets / "hf-token").stat().st_mode & 0o777 == 0o644 and (secrets / "hf-token").read_text() == ""
+    dot_env = work / ".env"
+    assert dot_env.stat().st_mode & 0o777 == 0o600
+    password = re.search(r"^GRAFANA_ADMIN_PASSWORD=(\S+)$", dot_env.read_text(), re.M).group(1)
+    assert len(password) >= 24 and password != "change-me"
     key = (secrets / "api-keys").read_text()
     assert len(key.strip()) >= 32 and _init_secrets(work).returncode == 0
     assert (secrets / "api-keys").read_text() == key, "an existing key must be kept"
+    assert f"GRAFANA_ADMIN_PASSWORD={password}\n" in dot_env.read_text(), "an existing password must be kept"
+    # The old example's placeholder is replaced; compose accepts the generated .env as it is.
+    dot_env.write_text(dot_env.read_text().replace(password, "change-me"))
+    assert _init_secrets(work).returncode == 0 and "change-me" not in dot_env.read_text()
+    code, out = _config("--env-file", str(dot_env))
+    assert code == 0, out
 
     if os.geteuid() != 0:
         pytest.skip("switching to uid 10001 needs root")

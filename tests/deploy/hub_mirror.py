@@ -1,9 +1,9 @@
 """A file-based Hugging Face Hub mirror on loopback, for the ``download`` profile's test.
 
-It serves one directory per repository (``ROOT/org/name``) with the two endpoints
-``huggingface_hub`` uses to download a snapshot: the revision metadata
-(``/api/models/{repo}/revision/{rev}``) and the files (``/{repo}/resolve/{commit}/{path}``, HEAD and
-GET with byte ranges, so resuming is exercised). ``HF_ENDPOINT`` points the client at it. Requests
+It serves one directory per repository (``ROOT/org/name``) with the endpoints ``huggingface_hub``
+uses to download a snapshot: the revision metadata (``/api/models/{repo}/revision/{rev}``), the file
+list (``/api/models/{repo}/tree/{rev}``) and the files (``/{repo}/resolve/{commit}/{path}``, HEAD and
+GET with byte ranges). ``HF_ENDPOINT`` points the client at it. Requests
 are counted per path so a test can see that a resumed download fetched only what was missing.
 """
 

@@ -27,6 +27,10 @@
 # - No model is baked in and serving never downloads: mount the checkpoint read-only and point
 #   QWEN4EXP_MODEL at it; HF_HUB_OFFLINE=1 makes an accidental hub lookup fail fast. compose's
 #   `download` profile turns it off for its one job (docs/deployment.md).
+# - The root filesystem may be read-only (compose read_only, the chart's readOnlyRootFilesystem):
+#   everything written goes to /home/app/.cache (a volume: caches, vLLM's config root), /tmp (a tmpfs
+#   or emptyDir: Triton's launcher builds) and the metrics directory (under /tmp, or the chart's
+#   emptyDir named by PROMETHEUS_MULTIPROC_DIR); no usage statistics are sent.
 # - Host driver: CUDA 13 needs NVIDIA driver >= 580, and GeForce cards (RTX 3090) get no forward
 #   compatibility. Where the runtime's check does not run (CDI, NVIDIA_DISABLE_REQUIRE),
 #   `python -m service` runs its own preflight (service/cuda_preflight.py) and exits 3 naming the
@@ -79,6 +83,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     TORCH_CUDA_ARCH_LIST=8.6 \
     TRITON_CACHE_DIR=/home/app/.cache/triton \
     VLLM_CACHE_ROOT=/home/app/.cache/vllm \
+    VLLM_CONFIG_ROOT=/home/app/.cache/vllm-config \
+    VLLM_NO_USAGE_STATS=1 \
     HF_HUB_OFFLINE=1 \
     VLLM_USE_FLASHINFER_SAMPLER=0 \
     CUDA_DEVICE_ORDER=PCI_BUS_ID \

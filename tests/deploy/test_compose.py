@@ -439,10 +439,12 @@ def test_download_profile_against_a_local_hub_mirror_resumes(tmp_path):
     token = tmp_path / "hf-token"
     token.write_text("")  # a public repository: the secret file is empty
     with HubMirror(tmp_path / "hub") as hub:
-        svc = _resolved("--profile", "download", QWEN4EXP_HF_REPO=repo, HF_ENDPOINT=hub.url)["services"][
-            "download"
-        ]
-        assert svc["secrets"][0]["source"] == "hf-token" if isinstance(svc["secrets"][0], dict) else True
+        resolved = _resolved("--profile", "download", QWEN4EXP_HF_REPO=repo, HF_ENDPOINT=hub.url)
+        svc = resolved["services"]["download"]
+        # The token is a file secret (mounted at /run/secrets/hf-token), not an environment variable.
+        assert svc["secrets"] == [{"source": "hf-token"}]
+        assert resolved["secrets"]["hf-token"]["file"] == str(ROOT / "secrets" / "hf-token")
+        assert not any("TOKEN" in k and k != "HF_TOKEN_PATH" for k in svc["environment"])
         env = dict(svc["environment"])
         assert env["HF_HUB_OFFLINE"] == "0" and env["HF_TOKEN_PATH"] == "/run/secrets/hf-token"
         env.update(HF_TOKEN_PATH=str(token), HF_HOME=str(tmp_path / "hf-home"))

@@ -15,6 +15,8 @@ The failover test kills and restarts a replica, so it comes last in this module.
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import ROOT
 from tests.service.conftest import error_of
 
 from .cluster import KEY, ROUTER_BIN, ROUTER_VERSION, Replica, Router, start_replicas, start_router
@@ -223,3 +226,18 @@ def test_a_killed_replica_fails_over_and_comes_back(replicas, router: Router) ->
         model="tiny", messages=[{"role": "user", "content": "back"}], max_tokens=2
     )
     assert again.choices[0].finish_reason == "length"
+
+
+def test_scale_out_dashboard_reads_metrics_that_exist(replicas, router: Router) -> None:
+    """Every metric the scale-out dashboard charts is exported: vllm_router_* by the real router
+    (after the traffic above), vllm:* and qwen4exp_* by the replicas."""
+    dashboard = json.loads((ROOT / "k8s" / "qwen4exp" / "dashboards" / "qwen4exp-scale-out.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {
+        m for e in exprs for m in re.findall(r"\b(vllm_router_[a-z_]+|vllm:[a-z_:]+|qwen4exp_[a-z0-9_]+)", e)
+    }
+    exported = set(router.metrics()) | set(replicas[0].metrics())
+    # Counters of events that may not have happened yet appear at their first increment.
+    on_first_event = {"vllm_router_retries_total", "vllm_router_retries_exhausted_total"}
+    missing = {m for m in used - on_first_event if m not in exported}
+    assert not missing, (missing, sorted(n for n in exported if n.startswith("vllm_router")))

@@ -160,6 +160,129 @@ PRESETS["real-compute"] = {
     ),
 }
 
+# The shape on which the CUDA default was once found twice as far from float32 as ours: odd stream
+# count, many experts, PLE on three layers, two index heads, a 1024-token budget at ratio 2, RoPE on
+# a quarter of 128-wide heads (32 dimensions) and a null output gate.
+PRESETS["holdout"] = {
+    **PRESETS["qsa512"],
+    **dict(
+        hc_count=3,
+        num_experts=24,
+        num_experts_per_tok=4,
+        ple_layer_ids=[1, 2, 5],
+        ple_embed_dim=240,
+        ngram_size=4,
+        indexer_n_heads=2,
+        indexer_budget=1024,
+        indexer_compress_ratio=2,
+        output_gate_type=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25},
+    ),
+}
+
+# The real model's shape (deploy/qwen4-exp-config.example.json: transformers' defaults with 16 index
+# heads of 128, budget 2048 / ratio 4, a null output gate, 512 experts) cut to 4 layers (3 GDN + 1
+# QSA) with the checkpoints' small vocabulary and PLE vocabulary, so transformers can be the float32
+# reference on one GPU: ~13 GB in bf16.
+PRESETS["real-4layer"] = dict(
+    vocab_size=512,
+    hidden_size=2048,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    num_experts=512,
+    num_experts_per_tok=10,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    hc_count=4,
+    hc_lowrank=320,
+    ple_layer_ids=[2],
+    ple_embed_dim=2048,
+    ngram_size=3,
+    heads_per_ngram=8,
+    ngram_vocab_size_base=1000,
+    make_ngram_vocab_size_divisible_by=128,
+    split_ngram_parts=4,
+    indexer_n_heads=16,
+    indexer_kv_heads=1,
+    indexer_head_dim=128,
+    indexer_budget=2048,
+    indexer_compress_ratio=4,
+    output_gate_type=None,
+    max_position_embeddings=32768,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+)
+
+
+# Fidelity shapes: random-weight checkpoints of shapes unlike the presets above, so that no path is
+# only ever checked on shapes it was developed on. ``drawn-<seed>`` names one; each seed varies the
+# hyper-connection count (odd counts included), the expert count and top-k, which layers carry PLE
+# and its n-gram size, index heads, QSA budget and compression, the RoPE fraction and head size, and
+# the GDN output gate (null included: transformers reads it as ``hidden_act``).
+DRAWN_PREFIX = "drawn-"
+
+
+def drawn_shape(seed: int) -> dict:
+    """The ``drawn-<seed>`` preset: a valid Qwen4-Exp text config of small width and random shape."""
+    import random
+
+    rng = random.Random(seed)
+    layers = rng.choice([4, 8])
+    gdn_layers = [i + 1 for i in range(layers) if (i + 1) % 4]  # every 4th layer is QSA
+    ratio = rng.choice([2, 4, 8])
+    top_k_blocks = rng.choice([512, 1024])  # upstream's QSA top-k kernels take 512, 1024 or 2048 blocks
+    head_dim = rng.choice([128, 256])
+    rope = rng.choice([0.25, 0.5])
+    experts = rng.choice([8, 12, 24])
+    return dict(
+        vocab_size=512,
+        hidden_size=rng.choice([192, 256]),
+        num_hidden_layers=layers,
+        num_attention_heads=rng.choice([2, 4]),
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        linear_num_key_heads=2,
+        linear_num_value_heads=rng.choice([2, 4]),
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=experts,
+        num_experts_per_tok=rng.choice([2, 3, 4]),
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=rng.choice([64, 128]),
+        hc_count=rng.choice([2, 3, 4]),
+        hc_lowrank=rng.choice([16, 32]),
+        ple_layer_ids=sorted(rng.sample(gdn_layers, min(len(gdn_layers), rng.choice([1, 2, 3])))),
+        ple_embed_dim=192,  # divisible by 2, 4 and 6 n-gram heads
+        ngram_size=rng.choice([2, 3, 4]),
+        heads_per_ngram=2,
+        ngram_vocab_size_base=1000,
+        make_ngram_vocab_size_divisible_by=8,
+        split_ngram_parts=2,
+        indexer_n_heads=rng.choice([1, 2, 4, 16]),
+        indexer_kv_heads=1,
+        indexer_head_dim=128,
+        indexer_budget=top_k_blocks * ratio,
+        indexer_compress_ratio=ratio,
+        output_gate_type=rng.choice([None, "silu", "sigmoid"]),
+        max_position_embeddings=65536,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": rope},
+    )
+
+
+def preset_spec(name: str) -> dict:
+    """A preset's config fields: one of :data:`PRESETS`, or ``drawn-<seed>`` (:func:`drawn_shape`)."""
+    if name.startswith(DRAWN_PREFIX) and name[len(DRAWN_PREFIX) :].isdigit():
+        return drawn_shape(int(name[len(DRAWN_PREFIX) :]))
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}: use one of {sorted(PRESETS)} or {DRAWN_PREFIX}<seed>")
+    return dict(PRESETS[name])
+
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -280,7 +403,7 @@ def make_checkpoint(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    spec = dict(PRESETS[preset])
+    spec = preset_spec(preset)
     ids = build_tokenizer(spec["vocab_size"] - 12, out)
     config = Qwen4ExpTextConfig(
         **spec,
@@ -317,7 +440,7 @@ def make_checkpoint(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--preset", default="tiny", help=f"one of {sorted(PRESETS)} or {DRAWN_PREFIX}<seed>")
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train-steps", type=int, default=80)

@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from model import envs, ple_format
+from model import envs, ple_format, sm86
 
 ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
 OURS_MODULE = "model.vllm_adapter.model"
@@ -38,28 +38,15 @@ UPSTREAM_KV_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 # reads the QSA *main* cache's E4M3 codes itself, on any GPU; upstream's optional FP8 *indexer* cache
 # multiplies FP8 by FP8 in Triton, which needs native FP8, so it is refused below this.
 FP8_MIN_CAPABILITY = (8, 9)
-# Upstream's indexer prefill kernel (Q/nvidia/ops/qsa_indexer.py, _prefill_logits, bf16 indexer cache)
-# keeps 64 query rows x every index head (padded to a power of two) x the index head dim in shared
-# memory, plus ~24 KiB of key tiles. Compiled for sm_86 (bench/sm86_kernel_resources.py, Triton 3.9):
-# 4 heads of 128 need 90,112 bytes, 8 need 155,648, 16 need 286,720; a 3090 allows 101,376 per block.
-# The H200 refused 16 heads at 303,104 bytes. The index heads are replicated, not split by TP.
-INDEXER_PREFILL_ROWS = 64
-INDEXER_PREFILL_KEY_TILES_BYTES = 24576
+# Upstream's indexer prefill kernel keeps a tile of query rows x index heads x head dim in shared
+# memory; our subclass sizes that tile for the GPU (model.vllm_adapter.upstream_indexer_tiles), so
+# only a shape no tile fits is a problem. The index heads are replicated, not split by TP.
 
-
-# vLLM's GDN layer accepts these; null makes it fail an assertion (transformers reads null as hidden_act).
+# vLLM's GDN layer accepts these; null is read as hidden_act, as transformers reads it (our subclass
+# writes it into the config upstream reads).
 OUTPUT_GATE_TYPES = ("silu", "swish", "sigmoid")
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
 USE_OURS = f"set {envs.CUDA_MODEL}=ours"
-
-
-def indexer_prefill_shared_bytes(heads: int, head_dim: int) -> int:
-    """Shared memory upstream's bf16 indexer prefill kernel needs per block, never above what it
-    needs (exact on sm_86 from 4 heads of 128 up, 8-16 KiB under for fewer heads or on sm_90), so a
-    refusal from it is always right."""
-    padded_heads = 1 << max(0, int(heads) - 1).bit_length()
-    padded_dim = max(16, 1 << max(0, int(head_dim) - 1).bit_length())
-    return INDEXER_PREFILL_ROWS * padded_heads * padded_dim * 2 + INDEXER_PREFILL_KEY_TILES_BYTES
 
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -117,17 +104,12 @@ def problems_for_upstream(
             f"or {USE_OURS}"
         )
     text = _text_config(config)
-    gate = text.get("output_gate_type")
-    if gate is None:
+    gate = text.get("output_gate_type") or text.get("hidden_act", "silu")
+    if str(gate).strip().lower() not in OUTPUT_GATE_TYPES:
         problems.append(
-            "config.json output_gate_type is missing or null: upstream's GDN layers need it written "
-            f"out (transformers reads null as hidden_act={text.get('hidden_act', 'silu')!r}); fix: set "
-            f'"output_gate_type": "{text.get("hidden_act", "silu")}" in config.json, or {USE_OURS}'
-        )
-    elif str(gate).strip().lower() not in OUTPUT_GATE_TYPES:
-        problems.append(
-            f"config.json output_gate_type={gate!r}: upstream's GDN layers take only "
-            f"{', '.join(OUTPUT_GATE_TYPES)}; fix: {USE_OURS}"
+            f"config.json output_gate_type={text.get('output_gate_type')!r} (hidden_act="
+            f"{text.get('hidden_act')!r}): upstream's GDN layers take only {', '.join(OUTPUT_GATE_TYPES)}; "
+            f"fix: {USE_OURS}"
         )
     if _has_qsa_layers(text):
         budget, ratio = text.get("indexer_budget"), text.get("indexer_compress_ratio")
@@ -144,16 +126,19 @@ def problems_for_upstream(
             )
         heads, head_dim = text.get("indexer_n_heads"), text.get("indexer_head_dim")
         indexer_fp8 = (indexer_kv_dtype or "auto").strip().lower() == "fp8"
-        if shared_memory_per_block and heads and head_dim and not indexer_fp8:
-            need = indexer_prefill_shared_bytes(int(heads), int(head_dim))
-            if need > shared_memory_per_block:
-                problems.append(
-                    f"config.json indexer_n_heads={heads} x indexer_head_dim={head_dim}: upstream's QSA "
-                    f"indexer prefill kernel needs at least {need:,} bytes of shared memory per block "
-                    f"({INDEXER_PREFILL_ROWS} query rows x {heads} heads x {head_dim} dims in bf16), this GPU allows "
-                    f"{shared_memory_per_block:,} (an RTX 3090: 101,376; fits up to 4 heads of 128); "
-                    f"fix: {USE_OURS}"
-                )
+        if shared_memory_per_block and heads and head_dim:
+            from model.vllm_adapter.upstream_indexer_tiles import refusal
+
+            cap = 86 if capability is None else capability[0] * 10 + capability[1]
+            why = refusal(
+                int(heads),
+                int(head_dim),
+                fp8=indexer_fp8,
+                shared_limit=shared_memory_per_block,
+                capability=cap,
+            )
+            if why:
+                problems.append(f"config.json {why}; fix: {USE_OURS}")
     dtype = (kv_cache_dtype or "auto").strip().lower()
     if dtype not in UPSTREAM_KV_DTYPES:
         problems.append(
@@ -208,6 +193,49 @@ def refusal_message(problems: list[str]) -> str:
     )
 
 
+# Opt-in shared memory per block by compute capability (CUDA programming guide, "Technical
+# specifications per compute capability"), for decisions taken before CUDA is initialised.
+SHARED_MEMORY_OPTIN = {(7, 0): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
+                       (8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (12, 0): 101376}  # fmt: skip
+
+
+def choose_implementation(
+    config: Mapping[str, Any],
+    env: Mapping[str, str],
+    *,
+    cuda: bool,
+    capability: tuple[int, int] | None,
+    shared_memory_per_block: int | None = None,
+    kv_cache_dtype: str = "auto",
+    indexer_kv_dtype: str | None = None,
+    v2_runner: bool = True,
+    ple_cpu_offload: bool | None = None,
+) -> tuple[str, list[str]]:
+    """``("upstream" | "ours", reasons)``: what ``QWEN4EXP_CUDA_MODEL`` (in ``env``) serves here.
+
+    ``auto``: upstream on CUDA when nothing stops it (it is 7-15x faster), else ours, with upstream's
+    problems as the reasons; ours on vLLM's CPU build. ``ours``: ours. ``upstream``: upstream, with
+    its problems as reasons (the caller refuses to start on any). ``shared_memory_per_block`` None:
+    from :data:`SHARED_MEMORY_OPTIN` by ``capability`` (a 3090's under ``QWEN4EXP_FORCE_SM86``).
+    ``v2_runner``: whether vLLM will use Model Runner V2 (the service selects it for upstream unless
+    the operator set ``VLLM_USE_V2_MODEL_RUNNER``)."""
+    choice = envs.cuda_model(env)
+    if choice == "ours":
+        return "ours", [f"{envs.CUDA_MODEL}=ours"]
+    if sm86.forced(env):
+        capability, shared_memory_per_block = sm86.CAPABILITY, sm86.SHARED_MEMORY_PER_BLOCK
+    if shared_memory_per_block is None and capability is not None:
+        shared_memory_per_block = SHARED_MEMORY_OPTIN.get(tuple(capability))
+    problems = problems_for_upstream(
+        config, env, cuda=cuda, capability=capability, kv_cache_dtype=kv_cache_dtype, v2_runner=v2_runner,
+        indexer_kv_dtype=indexer_kv_dtype, ple_cpu_offload=ple_cpu_offload,
+        shared_memory_per_block=shared_memory_per_block,
+    )  # fmt: skip
+    if choice == "upstream" or not problems:
+        return "upstream", problems
+    return "ours", problems
+
+
 def resolve(choice: str, *, cpu_build: bool) -> str:
     """``auto`` -> ``ours`` on vLLM's CPU build, ``upstream`` on CUDA; other choices as they are."""
     if choice == "auto":
@@ -254,7 +282,10 @@ def _capability(platform: Any) -> tuple[int, int] | None:
 
 
 def _shared_memory_per_block() -> int | None:
-    """The current GPU's opt-in shared memory per block (what a Triton kernel may ask for)."""
+    """The current GPU's opt-in shared memory per block (what a Triton kernel may ask for); a 3090's
+    under ``QWEN4EXP_FORCE_SM86=1``."""
+    if sm86.forced():
+        return sm86.SHARED_MEMORY_PER_BLOCK
     try:
         import torch
 

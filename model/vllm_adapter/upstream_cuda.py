@@ -71,7 +71,13 @@ else:
 
     from model import envs
     from model.quant_checks import check_must_stay_unquantized
-    from model.vllm_adapter import upstream_gdn, upstream_kernels, upstream_ple, upstream_qsa
+    from model.vllm_adapter import (
+        upstream_gdn,
+        upstream_indexer_tiles,
+        upstream_kernels,
+        upstream_ple,
+        upstream_qsa,
+    )
 
     # Before any model is built: upstream's decoder layers then construct our QSA owner, and its
     # PLE layers our table formats; its HC layers stay off a CuTe-DSL kernel whose packages are
@@ -81,8 +87,17 @@ else:
     upstream_qsa.install()
     upstream_ple.install()
     upstream_kernels.disable_cute_dsl_hc_if_missing()
+    upstream_indexer_tiles.install()
     if envs.read(envs.GDN_SHORT_PREFILL):
         upstream_gdn.install()
+
+    def _read_output_gate_as_transformers_does(vllm_config) -> None:
+        """A null ``output_gate_type`` is ``hidden_act`` in transformers (``configuration_qwen4_exp``:
+        ``self.output_gate_type or self.hidden_act``); upstream's GDN layer asserts on null, so the
+        config object it reads gets the value transformers uses before the layers are built."""
+        text = vllm_config.model_config.hf_text_config
+        if getattr(text, "output_gate_type", None) is None:
+            text.output_gate_type = getattr(text, "hidden_act", "silu")
 
     def _refuse_quantized_indexer(model, vllm_config) -> None:
         """A checkpoint whose quantization config reaches the QSA indexer projection stops start-up,
@@ -99,6 +114,7 @@ else:
         packed_modules_mapping = upstream_qsa.unfused_qkv_mapping(_UpstreamForCausalLM.packed_modules_mapping)
 
         def __init__(self, *, vllm_config, prefix: str = "") -> None:
+            _read_output_gate_as_transformers_does(vllm_config)
             refuse_unless_upstream_can_serve(vllm_config)
             if captures_cuda_graphs(vllm_config):
                 upstream_kernels.refuse_missing_graph_breaks()
@@ -114,6 +130,7 @@ else:
         )
 
         def __init__(self, *, vllm_config, prefix: str = "model") -> None:
+            _read_output_gate_as_transformers_does(vllm_config)
             refuse_unless_upstream_can_serve(vllm_config)
             if captures_cuda_graphs(vllm_config):
                 upstream_kernels.refuse_missing_graph_breaks()

@@ -76,7 +76,6 @@ def test_each_problem_names_its_variable_and_the_fix():
     cases = {
         "vLLM's CUDA build": dict(cuda=False, capability=None),
         "VLLM_USE_V2_MODEL_RUNNER=1": dict(v2_runner=False),
-        "output_gate_type": dict(config={**CLEAN_CONFIG, "output_gate_type": None}),
         "output_gate_type='tanh'": dict(config={**CLEAN_CONFIG, "output_gate_type": "tanh"}),
         "k = 256 blocks": dict(config={**CLEAN_CONFIG, "indexer_budget": 1024}),
         "no whole number of blocks": dict(config={**CLEAN_CONFIG, "indexer_budget": 2050}),
@@ -96,7 +95,11 @@ def test_each_problem_names_its_variable_and_the_fix():
     assert (
         "VLLM_USE_V2_MODEL_RUNNER='0'" in problems(env={"VLLM_USE_V2_MODEL_RUNNER": "0"}, v2_runner=False)[0]
     )
-    assert '"output_gate_type": "silu"' in problems({**CLEAN_CONFIG, "output_gate_type": None})[0]
+    # A null gate is hidden_act, as transformers reads it; the subclass writes it into the config.
+    assert problems({**CLEAN_CONFIG, "output_gate_type": None}) == []
+    assert (
+        "hidden_act='tanh'" in problems({**CLEAN_CONFIG, "output_gate_type": None, "hidden_act": "tanh"})[0]
+    )
     # Missing QSA fields are a problem; a model without QSA layers has no top-k to check.
     no_budget = {k: v for k, v in CLEAN_CONFIG.items() if k != "indexer_budget"}
     assert "indexer_budget=None" in problems(no_budget)[0]
@@ -110,7 +113,7 @@ def test_each_problem_names_its_variable_and_the_fix():
 def test_all_problems_are_reported_at_once():
     bad_config = {
         **CLEAN_CONFIG,
-        "output_gate_type": None,
+        "output_gate_type": "tanh",
         "indexer_budget": 64,
         "ple_embedding_dtype": "nvfp4",
     }
@@ -255,40 +258,44 @@ def test_ple_storage_must_match_upstreams_engram_config():
     assert problems(PLE_CONFIG, off, ple_cpu_offload=None) == []
 
 
-# Shared memory of upstream's bf16 indexer prefill kernel per block, compiled for sm_86 and sm_90
-# with the launcher's tile (docs/design/sm86-kernel-resources.md, Triton 3.9), and the H200's
-# launch refusal (303,104 bytes required, sixth H200 run).
-COMPILED_SM86 = {1: 49152, 2: 65536, 4: 90112, 8: 155648, 16: 286720}
-COMPILED_SM90 = {1: 57344, 2: 73728, 4: 106496, 8: 172032, 16: 303104}
-RTX_3090, H200 = 101376, 232448
-
-
-@pytest.mark.parametrize("heads", sorted(COMPILED_SM86))
-def test_indexer_prefill_estimate_never_exceeds_the_compiled_kernel(heads):
-    """Never above the compiled size (a refusal is always right), exact on sm_86 from 4 heads up,
-    and on the same side of both cards' limits as the compiled kernel."""
-    estimate = choice.indexer_prefill_shared_bytes(heads, 128)
-    assert estimate <= COMPILED_SM86[heads] <= COMPILED_SM90[heads]
-    if heads >= 4:
-        assert estimate == COMPILED_SM86[heads]
-    assert (estimate > RTX_3090) is (COMPILED_SM86[heads] > RTX_3090)
-    assert (estimate > H200) is (COMPILED_SM90[heads] > H200)
-
-
-def test_index_heads_beyond_the_gpus_shared_memory_are_refused():
-    config = {**CLEAN_CONFIG, "indexer_n_heads": 4, "indexer_head_dim": 128}
-    assert problems(config, capability=(8, 6), shared_memory_per_block=RTX_3090) == []
-    assert problems({**config, "indexer_n_heads": 16}, shared_memory_per_block=None) == []  # unknown GPU
-    assert problems({**config, "indexer_n_heads": 8}, shared_memory_per_block=H200) == []
-    (found,) = problems({**config, "indexer_n_heads": 8}, capability=(8, 6), shared_memory_per_block=RTX_3090)
-    assert found.startswith("config.json indexer_n_heads=8 x indexer_head_dim=128: upstream's QSA indexer")
-    assert "155,648 bytes" in found and "this GPU allows 101,376" in found and found.endswith(choice.USE_OURS)
-    (found,) = problems({**config, "indexer_n_heads": 16}, shared_memory_per_block=H200)
-    assert "286,720 bytes" in found
-    # An FP8 indexer cache takes another tile (32 rows; fits 16 heads on the H200); not this check.
+def test_index_heads_are_served_with_a_tile_that_fits_and_refused_only_when_none_does():
+    """Upstream's indexer prefill tile is sized for the GPU (model.vllm_adapter.upstream_indexer_tiles),
+    so the real model's 16 heads of 128 are no problem on a 3090 or an H200; a shape that no tile
+    fits still is."""
+    config = {**CLEAN_CONFIG, "indexer_n_heads": 16, "indexer_head_dim": 128}
+    assert problems(config, capability=(8, 6), shared_memory_per_block=101376) == []
+    assert problems(config, capability=(9, 0), shared_memory_per_block=232448) == []
     assert (
-        problems({**config, "indexer_n_heads": 16}, indexer_kv_dtype="fp8", shared_memory_per_block=H200)
-        == []
+        problems({**config, "indexer_n_heads": 64}, capability=(8, 6), shared_memory_per_block=101376) == []
+    )
+    (found,) = problems(
+        {**config, "indexer_head_dim": 1024}, capability=(8, 6), shared_memory_per_block=101376
+    )
+    assert "indexer_n_heads=16 x indexer_head_dim=1024" in found and "this GPU allows 101,376" in found
+    assert found.endswith(choice.USE_OURS)
+
+
+def test_auto_picks_upstream_when_it_can_serve_and_ours_with_the_reasons_otherwise():
+    real = {**CLEAN_CONFIG, "indexer_n_heads": 16, "indexer_head_dim": 128, "output_gate_type": None}
+    facts = dict(cuda=True, capability=(8, 6))
+    assert choice.choose_implementation(real, {}, **facts) == ("upstream", [])
+    impl, why = choice.choose_implementation({**real, "indexer_budget": 1024}, {}, **facts)
+    assert impl == "ours" and "k = 256 blocks" in why[0]
+    assert choice.choose_implementation(real, {}, cuda=False, capability=None)[0] == "ours"
+    # An explicit choice is kept: upstream with its problems (the service refuses them), or ours.
+    assert (
+        choice.choose_implementation(
+            {**real, "indexer_budget": 1024}, {envs.CUDA_MODEL: "upstream"}, **facts
+        )[0]
+        == "upstream"
+    )
+    assert choice.choose_implementation(real, {envs.CUDA_MODEL: "ours"}, **facts)[0] == "ours"
+    # The 3090's shared memory under QWEN4EXP_FORCE_SM86, whatever the card.
+    huge = {**real, "indexer_head_dim": 512}  # fits an H200 with 2 rows, no 3090
+    assert choice.choose_implementation(huge, {}, cuda=True, capability=(9, 0))[0] == "upstream"
+    assert (
+        choice.choose_implementation(huge, {"QWEN4EXP_FORCE_SM86": "1"}, cuda=True, capability=(9, 0))[0]
+        == "ours"
     )
 
 

@@ -1,0 +1,70 @@
+"""Our implementation on vLLM's CPU build against transformers in float32, teacher-forced.
+
+For each shape (two presets and two drawn ones, ``model.checkpoints.drawn_shape``) and prompts of
+several lengths, the pooled mean |delta| of the actual next token's log-prob must be within
+``measure.tolerance`` of transformers' own bfloat16 error on the same prompts (the yardstick; see
+``tests.fidelity.measure``). Prints both, with p99 and top-1 agreement on decisive positions.
+The CUDA paths have the same judge on the GPU (``tests/gpu/test_fidelity_cuda.py``).
+"""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import CHECKPOINTS, ROOT
+from tests.fidelity import measure
+
+SHAPES = ("tiny", "drawn-6")
+LENGTHS = (4, 300, 600)
+
+
+def _checkpoint(shape: str):
+    path = CHECKPOINTS / f"fidelity-{shape}"
+    if not (path / "model.safetensors").exists():
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "model.checkpoints",
+                "--preset",
+                shape,
+                "--out",
+                str(path),
+                "--train-steps",
+                "0",
+            ],
+            check=True,
+            cwd=ROOT,
+        )
+    return path
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_ours_is_as_close_to_float32_as_transformers_bf16(shape):
+    from vllm import LLM
+
+    path = _checkpoint(shape)
+    prompts = measure.prompts_of_lengths(path, LENGTHS)
+    ref32 = measure.transformers_token_logprobs(path, prompts, torch.float32)
+    yardstick = measure.fidelity(
+        ref32, measure.as_observed(measure.transformers_token_logprobs(path, prompts, torch.bfloat16))
+    )
+    llm = LLM(
+        model=str(path), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
+        max_model_len=max(LENGTHS) + 16, seed=0,
+    )  # fmt: skip
+    try:
+        ours = measure.fidelity(ref32, measure.vllm_token_logprobs(llm, prompts))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    print(
+        f"\n{shape}: transformers-bf16 {yardstick.as_row()}; ours {ours.as_row()} ({ours.positions} positions)"
+    )
+    assert ours.mean_abs <= measure.tolerance(yardstick), (shape, ours, yardstick)

@@ -1,0 +1,260 @@
+"""Teacher-forced fidelity of the CUDA paths against transformers in float32, and where they lose it.
+
+``python -m tests.gpu.fidelity_run --out DIR [--shapes holdout,drawn-1,...] [--lengths 600,2500,...]
+[--runs upstream:eager,upstream:graphs,ours:eager] [--diagnose upstream]``
+
+For each shape: a random-weight checkpoint (``model.checkpoints``), transformers' float32 reference
+and bfloat16 yardstick on the GPU (``tests.fidelity.measure``), then one engine per run in its own
+process (``QWEN4EXP_CUDA_MODEL``, CUDA graphs or eager, the 3090's paths forced with
+``QWEN4EXP_FORCE_SM86=1``). ``--diagnose IMPL`` also runs IMPL in-process with forward hooks on
+every sublayer (GDN, QSA attention, MoE, PLE, final norm) and reports each sublayer's relative error
+against float32 beside transformers-bf16's: the first sublayer far above the yardstick is where
+precision is lost. Writes ``DIR/fidelity.json`` and ``DIR/fidelity.md``; ``tests/gpu/
+test_fidelity_cuda.py`` asserts on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tests.fidelity import measure
+
+SUBLAYERS = ("ple", "linear_attn", "self_attn", "mlp")
+
+
+def engine_env(impl: str) -> dict[str, str]:
+    env = {
+        "QWEN4EXP_CUDA_MODEL": impl,
+        "VLLM_USE_V2_MODEL_RUNNER": "1" if impl == "upstream" else "0",
+        "QWEN4EXP_FORCE_SM86": os.environ.get("QWEN4EXP_FORCE_SM86", "1"),
+        "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    }
+    return env
+
+
+def engine_args(graphs: bool, max_len: int) -> dict:
+    args = dict(
+        dtype="bfloat16",
+        enforce_eager=not graphs,
+        enable_prefix_caching=False,
+        max_model_len=max_len + 16,
+        kv_cache_memory_bytes=4 << 30,
+        # several engines share one GPU: each checks only that this fraction is free when it starts
+        gpu_memory_utilization=float(os.environ.get("FIDELITY_GPU_UTILIZATION", "0.12")),
+        max_num_seqs=8,
+        seed=0,
+        additional_config={"gdn_prefill_backend": "triton"},
+    )
+    if graphs:
+        args["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
+    return args
+
+
+def _engine_child(path: str, impl: str, graphs: bool, prompts, out: str) -> None:
+    os.environ.update(engine_env(impl))
+    from vllm import LLM
+
+    llm = LLM(model=path, **engine_args(graphs, max(map(len, prompts))))
+    observed = measure.vllm_token_logprobs(llm, prompts)
+    torch.save([(o.logprobs, o.top1) for o in observed], out)
+
+
+def run_engine(path: Path, impl: str, graphs: bool, prompts, out: Path) -> list[measure.Observed] | str:
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_engine_child, args=(str(path), impl, graphs, prompts, str(out)))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0 or not out.exists():
+        return f"engine exited with {proc.exitcode}"
+    return [measure.Observed(lp, t1) for lp, t1 in torch.load(out)]
+
+
+# --- per-sublayer diagnosis ---------------------------------------------------------------------
+
+_CAPTURED: dict[str, torch.Tensor] = {}
+
+
+def _hook_model(model: torch.nn.Module, tokens: int, upstream: bool) -> None:
+    """Forward hooks that keep each sublayer's output (PLE: its contribution) for a pass of ``tokens``."""
+
+    def keep(name: str, is_ple: bool):
+        def hook(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if out.dim() == 3:
+                out = out[0]
+            if out.shape[0] != tokens:
+                return
+            if is_ple and upstream:  # upstream's PLE returns the streams with its contribution added
+                inp = args[0] if args else None
+                out = out - inp
+            _CAPTURED[name] = out.detach().float().cpu()
+
+        return hook
+
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2].isdigit() and parts[-1] in SUBLAYERS and parts[-3] == "layers":
+            module.register_forward_hook(keep(f"layers.{parts[-2]}.{parts[-1]}", parts[-1] == "ple"))
+
+
+def _reference_sublayers(path: Path, ids: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from transformers import Qwen4ExpForCausalLM
+
+    _CAPTURED.clear()
+    model = Qwen4ExpForCausalLM.from_pretrained(str(path), dtype=dtype).cuda().eval()
+    _hook_model(model, len(ids), upstream=False)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids], device="cuda"))
+    found = dict(_CAPTURED)
+    del model
+    torch.cuda.empty_cache()
+    return found
+
+
+def _diagnose_child(path: str, impl: str, ids: list[int], out: str) -> None:
+    os.environ.update(engine_env(impl))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=path, **engine_args(False, len(ids)), max_num_batched_tokens=max(len(ids), 2048))
+    llm.apply_model(lambda model: _hook_model(model, len(ids), upstream=impl == "upstream"))
+    _CAPTURED.clear()
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
+    torch.save(dict(_CAPTURED), out)
+
+
+def diagnose(path: Path, impl: str, ids: list[int], workdir: Path) -> list[dict]:
+    """Each sublayer's relative error against float32 for ``impl`` and for transformers-bf16."""
+    out = workdir / f"sublayers-{impl}.pt"
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_diagnose_child, args=(str(path), impl, ids, str(out)))
+    proc.start()
+    proc.join()
+    if proc.exitcode != 0 or not out.exists():
+        return [{"error": f"diagnosis engine exited with {proc.exitcode}"}]
+    engine = torch.load(out)
+    ref32 = _reference_sublayers(path, ids, torch.float32)
+    ref16 = _reference_sublayers(path, ids, torch.bfloat16)
+
+    def order(name: str) -> tuple[int, int]:
+        layer, kind = name.split(".")[1:3]
+        return int(layer), SUBLAYERS.index(kind)
+
+    rows = []
+    for name in sorted(ref32, key=order):
+        ref = ref32[name]
+        norm = float(ref.norm()) or 1.0
+        row = {"sublayer": name, "bf16": float((ref16[name] - ref).norm()) / norm}
+        got = engine.get(name)
+        if got is None or got.shape != ref.shape:
+            row[impl] = None
+            row["note"] = "not captured" if got is None else f"shape {tuple(got.shape)} vs {tuple(ref.shape)}"
+        else:
+            row[impl] = float((got - ref).norm()) / norm
+        rows.append(row)
+    return rows
+
+
+# --- main ----------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    from model.checkpoints import make_checkpoint
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--shapes", default="holdout,drawn-1,drawn-8")
+    parser.add_argument("--lengths", default="4,600,2500,6000,16000")
+    parser.add_argument("--runs", default="upstream:eager,upstream:graphs,ours:eager")
+    parser.add_argument("--diagnose", default="", help="an implementation to hook per sublayer (600 tokens)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    results: dict = {"lengths": lengths, "shapes": {}}
+    for shape in args.shapes.split(","):
+        t0 = time.time()
+        ckpt = out / "ckpt" / shape
+        if not (ckpt / "model.safetensors").exists():
+            make_checkpoint(shape, ckpt, seed=0, train_steps=0, device="cuda")
+        prompts = measure.prompts_of_lengths(ckpt, lengths)
+        ref32 = measure.transformers_token_logprobs(ckpt, prompts, torch.float32, "cuda")
+        ref16 = measure.transformers_token_logprobs(ckpt, prompts, torch.bfloat16, "cuda")
+        entry: dict = {"transformers-bf16": {}, "runs": {}}
+        for i, n in enumerate(lengths):
+            entry["transformers-bf16"][n] = measure.as_dict(
+                measure.fidelity([ref32[i]], measure.as_observed([ref16[i]]))
+            )
+        entry["transformers-bf16"]["all"] = measure.as_dict(
+            measure.fidelity(ref32, measure.as_observed(ref16))
+        )
+        print(f"[{shape}] references in {time.time() - t0:.0f}s", flush=True)
+        for run in args.runs.split(","):
+            impl, mode = run.split(":")
+            got = run_engine(ckpt, impl, mode == "graphs", prompts, out / f"{shape}-{impl}-{mode}.pt")
+            if isinstance(got, str):
+                entry["runs"][run] = {"error": got}
+            else:
+                per = {
+                    n: measure.as_dict(measure.fidelity([ref32[i]], [got[i]])) for i, n in enumerate(lengths)
+                }
+                per["all"] = measure.as_dict(measure.fidelity(ref32, got))
+                entry["runs"][run] = per
+            print(
+                f"[{shape}] {run}: {json.dumps(entry['runs'][run].get('all', entry['runs'][run]))}",
+                flush=True,
+            )
+        if args.diagnose:
+            ids = measure.prompts_of_lengths(ckpt, [600])[0]
+            entry["diagnosis"] = {args.diagnose: diagnose(ckpt, args.diagnose, ids, out)}
+            for row in entry["diagnosis"][args.diagnose]:
+                print(f"[{shape}] diag {json.dumps(row)}", flush=True)
+        results["shapes"][shape] = entry
+        (out / "fidelity.json").write_text(json.dumps(results, indent=1))
+    (out / "fidelity.md").write_text(render(results))
+    print(render(results))
+    return 0
+
+
+def render(results: dict) -> str:
+    lines = [
+        "mean |delta| nats / p99 / top-1 agreement on decisive positions, vs transformers float32",
+        "",
+        "| shape | prompt tokens | transformers bf16 | " + " | ".join(_runs(results)) + " |",
+        "|---|---|---|" + "---|" * len(_runs(results)),
+    ]
+    for shape, entry in results["shapes"].items():
+        for n in [*results["lengths"], "all"]:
+            cells = [_cell(entry["transformers-bf16"].get(n) or entry["transformers-bf16"].get(str(n)))]
+            for run in _runs(results):
+                r = entry["runs"].get(run, {})
+                cells.append(r["error"] if "error" in r else _cell(r.get(n) or r.get(str(n))))
+            lines.append(f"| {shape} | {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _runs(results: dict) -> list[str]:
+    seen: list[str] = []
+    for entry in results["shapes"].values():
+        seen += [r for r in entry["runs"] if r not in seen]
+    return seen
+
+
+def _cell(f: dict | None) -> str:
+    if not f:
+        return "-"
+    agree = "n/a" if f["decisive"] == 0 else f"{100 * f['top1_agreement']:.0f}%"
+    return f"{f['mean_abs']:.4f} / {f['p99_abs']:.3f} / {agree}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

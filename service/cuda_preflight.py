@@ -419,7 +419,9 @@ def gpu_list(args: argparse.Namespace, facts: CudaFacts) -> tuple[list[Gpu] | No
     return parse_gpu_query(out), None
 
 
-def checkpoint_checks(checkpoint: Path, gpus: list[Gpu] | None, tp: int, env: dict[str, str]) -> list[Check]:
+def checkpoint_checks(
+    checkpoint: Path, gpus: list[Gpu] | None, tp: int, env: dict[str, str], host_gib: float | None = None
+) -> list[Check]:
     """The checkpoint against these GPUs: the implementation served, the memory plan, memlock and
     cgroup limits for the pinned PLE tables, and the KV-scale sidecar."""
     try:
@@ -431,7 +433,8 @@ def checkpoint_checks(checkpoint: Path, gpus: list[Gpu] | None, tp: int, env: di
         checks.append(Check("memory plan", "skip", "no GPU memory to plan for"))
     else:
         try:
-            plan = plan_for(checkpoint, gpus, tp, env, host_ram_gib(Path("/proc/meminfo").read_text()))
+            host = host_gib or host_ram_gib(Path("/proc/meminfo").read_text())
+            plan = plan_for(checkpoint, gpus, tp, env, host)
         except (OSError, ValueError, KeyError) as exc:
             checks.append(Check("memory plan", "fail", f"the fit planner cannot plan {checkpoint}: {exc}"))
         else:
@@ -446,6 +449,20 @@ def checkpoint_checks(checkpoint: Path, gpus: list[Gpu] | None, tp: int, env: di
             checks += check_pinned_memory(plan, memlock, cgroup_memory_limit(), shm_size(), offload)
     checks.append(check_sidecar(checkpoint, env))
     return checks
+
+
+def settings_check(env: dict[str, str]) -> Check:
+    """The service's own start-up validation of every variable (``service.settings.load``), so a bad
+    value or a keys file without a key is reported here with the rest, not at the service's start."""
+    if not env.get("QWEN4EXP_MODEL"):
+        return Check("service settings", "skip", "QWEN4EXP_MODEL not set: not the service's environment")
+    from .settings import SettingsError, load
+
+    try:
+        load()
+    except SettingsError as exc:
+        return Check("service settings", "fail", "; ".join(str(exc).splitlines()))
+    return Check("service settings", "ok", "every QWEN4EXP_*/VLLM_QSA_*/VLLM_PLE_* variable is valid")
 
 
 def topology_check(args: argparse.Namespace, env: dict[str, str]) -> Check:
@@ -476,6 +493,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(KNOWN_GPUS),
         help="evaluate for --gpus of this GPU instead of the visible ones (planning on a machine without them)",
     )
+    parser.add_argument(
+        "--host-ram-gib",
+        type=float,
+        help="plan for this much host RAM instead of this machine's (with --assume-gpu)",
+    )
     args = parser.parse_args(argv)
     env = dict(os.environ)
     checks: list[Check] = []
@@ -488,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             if msg:
                 problems.append(msg)
+    checks.append(settings_check(env))
     facts = gather(args.cuda)
     row, failure = driver_check(facts, args.gpus)
     checks.append(row)
@@ -496,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     gpus, why = gpu_list(args, facts)
     checks += check_gpus(gpus, args.gpus, why)
     if args.checkpoint is not None:
-        checks += checkpoint_checks(args.checkpoint, gpus, args.gpus, env)
+        checks += checkpoint_checks(args.checkpoint, gpus, args.gpus, env, args.host_ram_gib)
     checks.append(topology_check(args, env))
     print(render(checks, time.monotonic() - started), flush=True)
     if row.verdict == "ok":

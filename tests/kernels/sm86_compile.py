@@ -1,22 +1,17 @@
-"""Shared memory that upstream vLLM's Qwen4-Exp QSA Triton kernels need on an RTX 3090 and an H200.
+"""Compile upstream vLLM's Qwen4-Exp QSA Triton kernels for sm_86 and sm_90 without a GPU.
 
-Why: on an H200 upstream's indexer prefill kernel (``_qsa_mqa_paged_prefill_kernel``) refused to
-launch with 16 index heads ("out of resource: shared memory, Required: 303104, Hardware limit:
-232448"). Its query tile is TILE_R rows x all index heads x head_dim, so its shared memory grows
-with the head count. This script finds, without a GPU, which shapes fit which card: it compiles
-the kernels ahead of time with Triton (``triton.compile`` on an ``ASTSource`` for a
-``GPUTarget``; ptxas ships in the wheel) for sm_86 (RTX 3090, 101376 bytes of dynamic shared
-memory per block) and sm_90 (H200, 232448 bytes), with the constexprs, warps and stages that
-upstream's launchers pass, and reads the compiled kernel's ``metadata.shared``. Scalar arguments
-get the same specialisation Triton gives them at launch (multiple of 16 -> divisibility hint,
-1 -> constant): that hint changes the result (the 303104 above is only reproduced with it).
-Where a kernel does not fit, the smallest change of its tile that fits is searched and compiled.
+Upstream's kernels keep tiles of their operands in shared memory, so whether they launch on a card
+depends on the shapes and tiles: the indexer prefill kernel's query tile is TILE_R rows x every index
+head x the head dim (286,720 bytes for 16 heads at TILE_R=64 on sm_86, where an RTX 3090 allows
+101,376 per block). This module compiles the kernels ahead of time (``triton.compile`` on an
+``ASTSource`` for a ``GPUTarget``; ptxas ships in Triton's wheel) with the constexprs, warps and
+stages the launchers pass, and reads the compiled kernel's ``metadata.shared``; ``ptxas_report``
+runs ptxas on the PTX for registers and spills. Scalar arguments get the specialisation Triton gives
+them at launch (multiple of 16 -> divisibility hint, 1 -> constant), which changes the result.
 
-Run from the repository root (no GPU needed; a first run compiles ~100 kernels, a few minutes):
-
-    .venv/bin/python bench/sm86_kernel_resources.py
-
-It prints a markdown table; docs/design/sm86-kernel-resources.md holds a saved run and the decision.
+``tests/kernels/test_sm86_compile.py`` checks the product's choices with it. As a script it prints
+the whole study (every head count, both cache dtypes, both targets; the smallest tile change that
+fits where the launcher's tile does not): ``.venv/bin/python -m tests.kernels.sm86_compile``.
 """
 
 from __future__ import annotations
@@ -90,6 +85,11 @@ class Launch:
 
 def shared_bytes(launch: Launch, capability: int) -> int:
     """Compile ``launch`` for ``sm_<capability>`` and return its static + dynamic shared memory."""
+    return compile_launch(launch, capability).metadata.shared
+
+
+def compile_launch(launch: Launch, capability: int):
+    """``launch`` compiled for ``sm_<capability>`` (Triton's CompiledKernel: metadata, asm)."""
     fn = launch.kernel
     constexprs = dict(launch.constexprs)
     signature: dict[str, str] = {}
@@ -114,8 +114,25 @@ def shared_bytes(launch: Launch, capability: int) -> int:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn, signature, constexprs, attrs)
     options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
-    compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
-    return compiled.metadata.shared
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def ptxas_report(compiled, capability: int) -> str:
+    """ptxas's verbose resource report (registers, spill stores/loads) for a compiled kernel's PTX."""
+    import subprocess
+    import tempfile
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        done = subprocess.run(
+            [str(ptxas), "-v", f"--gpu-name=sm_{capability}", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    return done.stderr + done.stdout
 
 
 def prefill(ops: dict[str, types.ModuleType], heads: int, dtype: str, **tile: int) -> Launch:
@@ -453,6 +470,101 @@ def main() -> None:
         f"`_qsa_sparse_paged_gqa_splitk_kernel` (heads = query heads per KV head, {MAIN_KV_HEADS} KV heads); "
         "fits: 'no (+N)' = N bytes over the target's limit."
     )
+
+
+# --- the product's choices on an RTX 3090 ----------------------------------------------------------
+
+SM86 = 86
+SM86_LIMIT = 101376
+# The real model per rank (deploy/qwen4-exp-config.example.json): query heads per KV head of the main
+# attention at TP 1, 2 and 4 (16 query heads, 2 KV heads; KV heads are replicated beyond 2 ranks).
+# The 16 index heads are replicated, not split.
+GROUP_PER_TP = {1: 8, 2: 8, 4: 4}
+INDEX_HEADS = 16
+
+
+def our_reader(group: int, kv_format: str) -> Launch:
+    """Our FP8 QSA reader (``model.kernels.qsa_sparse_attention._sparse_attn_kernel``) as the
+    served path launches it at the real head size: E4M3 codes as uint8, fp16 compute, 8 warps."""
+    from model.kernels import qsa_sparse_attention as ours
+
+    fmt = ours.KV_FORMATS[kv_format]
+    cache = "*u8" if fmt else "*bf16"
+    fn = ours._sparse_attn_kernel
+    pointers = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "out_ptr": "*bf16"}
+    pointers |= {
+        name: "*fp32" for name in ("part_m_ptr", "part_l_ptr", "part_acc_ptr", "k_scale_ptr", "v_scale_ptr")
+    }
+    args: dict[str, Any] = {}
+    for name in fn.arg_names:
+        if name.isupper():
+            continue
+        if name.endswith("_ptr"):
+            args[name] = pointers.get(name, "*i32")
+        elif name in ("qk_scale", "out_scale"):
+            args[name] = 0.0625
+        else:
+            args[name] = 4096 + 16 * len(args)  # strides and sizes: large multiples of 16
+    block_n = ours._default_block_n(MAIN_DIM)
+    constexprs = {"GROUP": group, "BLOCK_G": max(16, triton.next_power_of_2(group)), "HEAD_DIM": MAIN_DIM}
+    constexprs |= {"BLOCK_N": block_n, "NUM_SPLITS": 4, "KV_FORMAT": fmt}
+    constexprs |= {"COMPUTE": tl.float16 if fmt else tl.bfloat16, "K_SCALE_FROM_PTR": False}
+    constexprs |= {"V_SCALE_FROM_PTR": False, "FP32_DOT": False}
+    return Launch(fn, args, constexprs, 8, num_stages=2, dtype=kv_format, heads=f"{group} per KV head",
+                  head_dim=MAIN_DIM, tile=f"BLOCK_N={block_n} NUM_SPLITS=4 stages=2 warps=8")  # fmt: skip
+
+
+def product_launches(ops: dict[str, types.ModuleType]) -> Iterator[tuple[str, Launch]]:
+    """Every QSA Triton kernel the served path launches on a 3090 for the real model, with the tiles
+    the product picks there (the indexer prefill tile from ``upstream_indexer_tiles``). The FP8 main
+    cache is read by our kernel; upstream's FP8 kernels are not launched below sm_89."""
+    from model.vllm_adapter.upstream_indexer_tiles import prefill_tile
+
+    rows, stages, warps = prefill_tile(
+        INDEX_HEADS, INDEX_DIM, fp8=False, shared_limit=SM86_LIMIT, capability=SM86
+    )
+    yield "indexer prefill", prefill(ops, INDEX_HEADS, "bf16", TILE_R=rows, STAGES=stages, warps=warps)
+    yield "indexer decode", decode(ops, INDEX_HEADS, "bf16")
+    for tp, group in GROUP_PER_TP.items():
+        for block_n, w in ((32, 1), (64, 2)):
+            yield f"sparse attention TP={tp}", sparse_attention(ops, group, "bf16", block_n, w)
+        for kv_format in ("bf16", "fp8_e4m3"):
+            yield f"our reader TP={tp}", our_reader(group, kv_format)
+    for launch in small_kernels(ops, "bf16"):
+        yield launch.kernel.__name__, launch
+
+
+def check_product() -> list[dict[str, Any]]:
+    """Compile :func:`product_launches` for sm_86: shared bytes, registers, spills, FP8 types."""
+    import re
+
+    ops = load_ops()
+    found = []
+    for name, launch in product_launches(ops):
+        compiled = compile_launch(launch, SM86)
+        report = ptxas_report(compiled, SM86)
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+        registers = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
+        text = compiled.asm["ttgir"] + compiled.asm["ptx"]
+        found.append(
+            dict(
+                kernel=name,
+                cache=launch.dtype,
+                tile=launch.tile,
+                shared=int(compiled.metadata.shared),
+                registers=max(registers, default=0),
+                spill_bytes=sum(spills),
+                fp8_types=sorted(set(re.findall(r"f8E4M3\w*|f8E5M2\w*|\.e4m3\w*|\.e5m2\w*", text))),
+            )
+        )
+    return found
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--product"]:
+    import json
+
+    print(json.dumps(check_product()))
+    sys.exit(0)
 
 
 if __name__ == "__main__":

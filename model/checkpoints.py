@@ -138,7 +138,7 @@ PRESETS: dict[str, dict] = {
 # the 256-wide heads, 64 dimensions: what transformers' rotary embedding assumes (its default MRoPE
 # sections [11, 11, 10] interleave 32 frequency pairs, ``modeling_qwen4_exp.py`` Qwen4ExpTextRotaryEmbedding)
 # and what upstream's fused QSA prepare is written for; keeping qsa512's factor 0.5 on 256-wide heads
-# (128 dimensions, the ninth H200 run) sent every indexer through upstream's unfused prepare.
+# (128 dimensions) sends every indexer through upstream's unfused prepare.
 PRESETS["real-compute"] = {
     **PRESETS["qsa512"],
     **dict(

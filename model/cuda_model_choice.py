@@ -5,7 +5,7 @@ matches transformers as closely as ours and runs 9-16x faster, so on CUDA it is 
 lacks features ours has, and needs settings ours does not. ``QWEN4EXP_CUDA_MODEL=upstream``
 (:mod:`model.envs`) opts into it through thin subclasses (:mod:`model.vllm_adapter.upstream_cuda`)
 that stop start-up with :func:`problems_for_upstream`'s list instead of serving without them. Since
-the subclasses carry the 3090's parts and passed on an H200 (2026-12-01), the default ``auto``
+the subclasses carry the 3090's parts and passed on an H200 (docs/validation.md), the default ``auto``
 serves upstream on CUDA and ours on vLLM's CPU build.
 
 Everything here is a pure function of injected facts (config.json as a dict, the environment, the

@@ -28,7 +28,7 @@ def pythonpath_with(root: Path) -> str:
     """``PYTHONPATH`` for a child process: ``root`` first, then whatever the parent had.
 
     Replacing the variable would hide a vLLM that comes through it (the carried stack that
-    ``scripts/device`` runs the suite with) instead of from the venv.
+    ``scripts/gpu-test.sh`` can run the suite with) instead of from the venv.
     """
     return os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
 

@@ -16,7 +16,7 @@ K/V scale sidecar (``VLLM_QSA_KV_SCALES``), the calibration collector (``VLLM_QS
 the device-side clip counters (``VLLM_QSA_KV_CLIP_COUNT``).
 
 From :mod:`model.vllm_adapter.upstream_gdn`, unless ``QWEN4EXP_GDN_SHORT_PREFILL=0`` (judged on the H200
-in the eighth run): GDN prefills shorter than one FLA chunk (a prefix-cache hit's tail) in FLA's fused
+on an H200, docs/benchmarks.md): GDN prefills shorter than one FLA chunk (a prefix-cache hit's tail) in FLA's fused
 recurrent kernel on the Triton path (the 3090's), one launch instead of ~8.
 
 From :mod:`model.vllm_adapter.upstream_ple`: our FP8 E4M3 and NVFP4 PLE tables (``model.ple_format``),
@@ -30,7 +30,7 @@ checked against their bf16 twins on the H200 (``tests/gpu/test_upstream_cuda.py`
 Upstream also needs settings ours does not: Model Runner V2 (``VLLM_USE_V2_MODEL_RUNNER=1``),
 ``output_gate_type`` written in config.json, and a QSA top-k of 512, 1024 or 2048 blocks; those are
 refused the same way (the service sets the V2 runner itself). Since these classes passed on an H200
-(``tests/gpu/test_upstream_cuda.py``, 2026-12-01), they are what ``QWEN4EXP_CUDA_MODEL=auto`` (the
+(``tests/gpu/test_upstream_cuda.py``, docs/validation.md), they are what ``QWEN4EXP_CUDA_MODEL=auto`` (the
 default) serves on CUDA.
 
 vLLM imports this module only when the class is needed (``model.plugin`` registers lazy

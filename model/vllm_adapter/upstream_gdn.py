@@ -4,7 +4,7 @@ Why: with ``gdn_prefill_backend=triton`` (the only GDN prefill an sm_86 card has
 prefill of its Gated DeltaNet layers through FLA's chunked algorithm, about eight Triton launches a
 layer whatever the length. A prefix-cache hit computes only the few tokens after the cached block
 boundary (48 with the ``real-compute`` preset's 272-token blocks), and there those launches are the
-cost: the torch profile of such a hit on the H200 (seventh H200 run, 2026-12-02, 30 GDN layers) spent
+cost: the torch profile of such a hit on the H200 (30 GDN layers) spent
 15 ms of its 45 ms host time in ``ChunkGatedDeltaRuleFunction`` against 0.9 ms of GPU time, and the
 hit cost as much as a cold request of the same 48 tokens: the step's fixed cost, not the cache,
 decided the prefix-cache speedup.
@@ -17,7 +17,7 @@ does (the caller still gathers the initial states and stores the final ones). Lo
 upstream's start-up warm-up (exactly one chunk, so the chunked kernels are autotuned before the KV
 cache takes the memory), keep the chunked path.
 
-Measured (eighth H200 run, 2026-12-02): against the chunked kernel and an fp32 recurrence with real
+Measured on an H200: against the chunked kernel and an fp32 recurrence with real
 head sizes, the recurrent kernel's outputs are as close or closer (state error 1e-7 against 4e-3);
 upstream's prefix-cache parity test passes with it (eager and CUDA graphs, 3/3 tokens of a cold
 engine); a cache hit's 48-token step fell from 71-81 ms to 33-50 ms of floor on that host. On by
@@ -29,9 +29,9 @@ A batch of prefills only (a cache hit's step) goes one step further, in the laye
 one upstream runs for decodes) computes the gates and L2 norms itself and reads and writes the
 sequences' state slots in place, so the separate gating launch, the gather of the initial states,
 zeroing new sequences' states and the scatter of the final ones (four to six launches and their
-host time per layer, 30 layers) collapse into one index fill and one launch (the ninth H200 run's
+host time per layer, 30 layers) collapse into one index fill and one launch (the H200 profile's
 profile of a hit put about a third of each GDN layer's ~1 ms host time in those steps). Measured in
-the tenth run (``bench_prefix_cache.py --gdn-ab``, one engine): a repeated 8k prefix 5.3x faster on
+an H200 (``bench_prefix_cache.py --gdn-ab``, one engine): a repeated 8k prefix 5.3x faster on
 the wall clock (5.6x in the engine), 4.0x with the short path off. Mixed batches (decodes
 with prefills, speculative decoding) keep upstream's method with the recurrent call above.
 """
@@ -102,7 +102,7 @@ def recurrent_prefill(
     # The kernel reads and updates states in place through a slot table, one slot per (sequence,
     # token) since it was written for speculative decoding; every token of a sequence names the
     # sequence's slot. Slot 0 means vLLM's null block there (neither read nor written), hence one
-    # spare leading row, left uninitialised. The step is host-bound (ninth H200 run: 12 ms of GPU
+    # spare leading row, left uninitialised. The step is host-bound (on an H200: 12 ms of GPU
     # time in a 40 ms cache-hit step), so this costs one allocation and one copy per layer.
     states = initial_state.new_empty((num_seqs + 1, *initial_state.shape[1:]))
     states[1:].copy_(initial_state)
@@ -140,7 +140,7 @@ def build_tables(
 def _tables(metadata, state_indices, has_initial_state, num_tokens) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`build_tables`, kept on the step's metadata object so that the GDN layers sharing it
     build them once (vLLM's GDN builder makes a new object every step and never changes one). The
-    tenth H200 run's profile built them in all 30 layers (~0.13-0.26 ms of host time each under the
+    an H200 profile built them in all 30 layers (~0.13-0.26 ms of host time each under the
     profiler) with a one-entry cache: consecutive GDN layers do not share one metadata object
     (presumably one per KV-cache group, the layers alternating between the groups; not verified).
     Without metadata (a direct call) nothing is kept."""

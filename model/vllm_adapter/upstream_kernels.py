@@ -88,7 +88,7 @@ def missing_graph_breaks() -> list[str]:
     module imported before that keeps its plain functions. The piecewise graphs are then captured
     whole, on a dummy decode batch, and a small prefill replayed through one (e.g. the remainder
     after the last full block in prefix-caching align mode) updates the dummy's state instead of
-    the request's. Seen on the H200 (2026-12-01): a harness imported upstream before ``LLM()``, and
+    the request's. Seen on an H200: a harness imported upstream before ``LLM()``, and
     the 8-token tail of 4,088-token prompts was lost.
     """
     import importlib

@@ -1,7 +1,7 @@
 """GPU judges: skipped, with the reason, where no CUDA device (or no CUDA build of vLLM) exists.
 
 On a GPU machine: ``python -m pytest tests/gpu -v`` (see the README's GPU section for how the CUDA
-stack gets onto the lent H200). The engine tests pin vLLM's V1 runner, Triton GDN prefill (the path
+stack gets onto a GPU host: docs/testing.md). The engine tests pin vLLM's V1 runner, Triton GDN prefill (the path
 an RTX 3090 takes) and the plain sampler, as the README explains.
 """
 

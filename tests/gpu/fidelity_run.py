@@ -28,6 +28,7 @@ import torch
 from tests.fidelity import measure
 
 SUBLAYERS = ("ple", "linear_attn", "self_attn", "mlp")
+ENGINE_TIMEOUT_S = int(os.environ.get("FIDELITY_ENGINE_TIMEOUT_S", "900"))
 
 
 def engine_env(impl: str) -> dict[str, str]:
@@ -63,7 +64,11 @@ def _engine_child(path: str, impl: str, graphs: bool, prompts, out: str) -> None
     from vllm import LLM
 
     llm = LLM(model=path, **engine_args(graphs, max(map(len, prompts))))
-    observed = measure.vllm_token_logprobs(llm, prompts)
+    observed = []
+    for ids in prompts:  # one at a time, so a slow or stuck prompt shows in the log
+        t0 = time.time()
+        observed += measure.vllm_token_logprobs(llm, [ids])
+        print(f"[engine {impl}] {len(ids)} tokens: {time.time() - t0:.1f}s", flush=True)
     torch.save([(o.logprobs, o.top1) for o in observed], out)
 
 
@@ -71,7 +76,11 @@ def run_engine(path: Path, impl: str, graphs: bool, prompts, out: Path) -> list[
     ctx = mp.get_context("spawn")
     proc = ctx.Process(target=_engine_child, args=(str(path), impl, graphs, prompts, str(out)))
     proc.start()
-    proc.join()
+    proc.join(ENGINE_TIMEOUT_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        return f"engine did not finish in {ENGINE_TIMEOUT_S} s"
     if proc.exitcode != 0 or not out.exists():
         return f"engine exited with {proc.exitcode}"
     return [measure.Observed(lp, t1) for lp, t1 in torch.load(out)]

@@ -5,7 +5,7 @@ W4A16, pack-quantized) and FP8 block-scaled checkpoints of the test presets agai
 hold exactly the dequantized values (power-of-two scales). On an RTX 3090 (no FP8 math) vLLM runs
 W4A16 experts and linears through Marlin and FP8 block weights as W8A16 Marlin where the shapes
 allow (Marlin MoE needs hidden % 128: tiny's 128 does, wide's 192 does not, so wide exercises vLLM's
-other W4A16 kernels; Marlin linears need input % 128 and output % 64 per rank). The lent GPU is an
+other W4A16 kernels; Marlin linears need input % 128 and output % 64 per rank). The GPU these ran on is an
 H200 (sm_90), where vLLM 0.32 would pick other kernels; ``SM86_ENV`` / ``sm86_engine_args`` make it
 take the 3090's (see there), and every engine records the kernel each layer family really runs
 (``kernel_record``, printed; ``kernel_problems`` asserts it is the 3090's). Skipped without CUDA and
@@ -225,11 +225,11 @@ def test_marlin_fp8_moe_refuses_tiny_experts(tmp_path, monkeypatch):
 
 def test_marlin_fp8_experts_repeat_their_tokens(checkpoints, monkeypatch):
     """``qsa512-fp8-experts`` against its twin is flaky on the H200 with the 3090's Marlin W8A16 MoE:
-    the fifth run failed on ours (token 6 of one prompt) and passed through upstream, the sixth
+    one run failed on ours (token 6 of one prompt) and passed through upstream, the sixth
     passed on ours and failed through upstream (``chat`` token 3, a token outside the twin's top 5).
     Both implementations call the same ``MarlinExperts``, so this asks the kernel path itself:
     one quantized engine, the same batch four times, greedy; every run must give the same tokens.
-    (Explained in the twelfth run: upstream's ``chat`` token 3 sits on a router top-k tie of the
+    (Explained since: upstream's ``chat`` token 3 sits on a router top-k tie of the
     twin, a 0.0023-logit gap in layer 1; ``tests.quant.parity.compare`` now accepts such ties.)"""
     from transformers import AutoTokenizer
     from vllm import SamplingParams

@@ -41,7 +41,7 @@ path, prompts_file, out_file, max_new = sys.argv[1], sys.argv[2], sys.argv[3], i
 engine_overrides = json.loads(sys.argv[5])
 graphs = engine_overrides.pop("graphs", False)
 sequential = engine_overrides.pop("sequential", False)  # one request after another (prefix-cache hits)
-early_import = engine_overrides.pop("import_upstream_first", False)  # what the fifth H200 run did
+early_import = engine_overrides.pop("import_upstream_first", False)  # what a failing harness once did
 result = {"notes": []}
 try:
     # Nothing from upstream is imported before LLM(): vLLM enables breakable CUDA graphs while it
@@ -251,7 +251,7 @@ def test_upstream_prefix_cache_hits_give_the_same_tokens(mode, tmp_path):
     """Prefix caching on the chosen path (align mode: QSA pages and compressed keys by block hash,
     GDN and PLE states at the hit's block boundary), eager and with breakable CUDA graphs as it
     serves: the shared prefix hits the cache and the tokens are a cold engine's, up to near-ties (the
-    cached engine chunks at block boundaries). With graphs this once failed (fifth H200 run: every
+    cached engine chunks at block boundaries). With graphs this once failed (on an H200: every
     suffix ignored) in a child that had imported upstream before ``LLM()`` and so had no graph breaks,
     which the subclass now refuses (:func:`test_upstream_refuses_graphs_without_their_breaks`)."""
     from tests.quant.parity import compare
@@ -274,7 +274,7 @@ def test_upstream_prefix_cache_hits_give_the_same_tokens(mode, tmp_path):
 
 
 def test_upstream_refuses_graphs_without_their_breaks(tmp_path):
-    """The cause of the fifth H200 run's prefix-caching failure: upstream imported before ``LLM()``
+    """The cause of a prefix-caching failure seen on an H200: upstream imported before ``LLM()``
     keeps no graph breaks, which the subclass refuses at start-up, naming the functions."""
     path, prompts = qsa512_prompts()
     got = run_upstream(
@@ -328,9 +328,9 @@ def test_upstream_quantized_weights_equal_their_twin(name, tmp_path):
         )
         engine = {} if deq else sm86_engine_args(fmt)
         # The twin keeps the indexer projection its own GEMM, as the quantized checkpoint must: the
-        # two then differ only in the weights' format. Until the ninth H200 run the twin fused it
+        # two then differ only in the weights' format. Before, the twin fused it
         # into the QKV GEMM (another bf16 rounding of the indexer's scores, a confound for the
-        # fp8-experts pair that failed at the same token in the sixth and ninth runs).
+        # fp8-experts pair that failed at the same token in two H200 runs).
         twin_env = {"QWEN4EXP_SEPARATE_INDEXER_PROJECTION": "1"} if deq else {}
         runs[deq] = run_upstream(
             tmp_path / f"run-{deq}", ckpt, short_prompts(ckpt), engine=engine, **SM86_ENV, **twin_env
@@ -375,7 +375,7 @@ def diagnose_divergence(tmp_path: Path, ckpt: Path, fmt: str, problems: list[str
     the shared expert and (b) with each diverging prompt alone, each printed against the twin.
 
     ``fp8-experts`` through upstream failed at the same token (``chat``, token 3) in the sixth,
-    ninth and eleventh H200 runs, and ours failed once at another token: a deterministic
+    two H200 runs, and ours failed once at another token: a deterministic
     divergence that moves with the model class. The shared expert runs on an auxiliary stream for
     batches of at most 256 tokens (decode), beside the routed Marlin experts; a stream race would
     move with allocation and launch order. Batch composition is the other candidate. The twelfth

@@ -2,7 +2,7 @@
 
 Why: upstream's ``vllm.models.qwen4_exp.nvidia`` package imports ``qwen3_vl``, which imports
 torchvision; vLLM's CPU wheel does not pull torchvision in, so the import fails on this build although
-nothing we test needs torchvision (measured 2026-12-01: with the stand-in below, ``nvidia.model``,
+nothing we test needs torchvision (with the stand-in below, ``nvidia.model``,
 ``nvidia.qsa`` and ``common.ngram_embedding`` import on the CPU build). The stand-in is installed
 only when torchvision is really absent, only for the test process that asks for it, and every
 attribute of it is an inert placeholder: a test that reached torchvision's behaviour would be

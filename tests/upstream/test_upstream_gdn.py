@@ -137,7 +137,7 @@ def test_switched_off_at_run_time_short_batches_take_the_chunked_kernel(found):
 
 
 def test_on_by_default_and_switched_off_by_zero():
-    """Measured on the H200 before it became the default (README, eighth run); ``0`` turns it off."""
+    """Measured on the H200 before it became the default (docs/benchmarks.md); ``0`` turns it off."""
     from model import envs
 
     assert envs.read(envs.GDN_SHORT_PREFILL, {}) is True

@@ -161,6 +161,7 @@ QSA_SELECTION = "QWEN4EXP_QSA_SELECTION"
 CUDA_MODEL = "QWEN4EXP_CUDA_MODEL"
 GDN_SHORT_PREFILL = "QWEN4EXP_GDN_SHORT_PREFILL"
 SEPARATE_INDEXER_PROJECTION = "QWEN4EXP_SEPARATE_INDEXER_PROJECTION"
+FORCE_SM86 = "QWEN4EXP_FORCE_SM86"
 
 DEFAULT_COLLECT_INTERVAL_S = 30.0
 
@@ -251,15 +252,17 @@ VARIABLES: tuple[EnvVar, ...] = (
         parse_cuda_model,
         "auto",
         "`auto`",
-        "Which Qwen4-Exp implementation serves. `auto`: ours on vLLM's CPU build (the only one there), "
-        "`upstream` on CUDA (measured 9-16x faster on an H200, same tokens). `upstream`: vLLM's own CUDA "
-        "`qwen4_exp` through our subclass, which adds the 3090's parts (FP8 E4M3 KV read and written by "
-        "our code, the scale sidecar, calibration, clip counters, our FP8/NVFP4 PLE tables, a separate "
-        "bf16 indexer projection for quantized checkpoints) and stops start-up, listing every reason, "
-        "where the deployment lacks what upstream needs (`output_gate_type` in config.json; a top-k of "
-        "512/1024/2048 blocks) or would quantize the QSA indexer. `ours`: this plugin's "
-        "model on CUDA too (V1 runner, no CUDA graphs; any checkpoint shape). The service sets "
-        "`VLLM_USE_V2_MODEL_RUNNER` to match on CUDA unless you set it.",
+        "Which Qwen4-Exp implementation serves. `auto`: ours on vLLM's CPU build (the only one there); "
+        "on CUDA `upstream` (measured 7-16x faster on an H200) unless it cannot serve this checkpoint "
+        "on these GPUs (a QSA top-k other than 512/1024/2048 blocks, an index-head shape no indexer "
+        "tile fits, an unsupported cache dtype), then ours; the service decides at start-up from "
+        "config.json and the GPU, logs why, and labels `qwen4exp_service_info{model_impl}`. "
+        "`upstream`: vLLM's own CUDA `qwen4_exp` through our subclass, which adds the 3090's parts (FP8 "
+        "E4M3 KV read and written by our code, the scale sidecar, calibration, clip counters, our "
+        "FP8/NVFP4 PLE tables, an indexer prefill tile sized for the GPU, a null `output_gate_type` "
+        "read as `hidden_act`) and stops start-up, listing every reason, where upstream cannot serve. "
+        "`ours`: this plugin's model on CUDA too (V1 runner, no CUDA graphs; any checkpoint shape). "
+        "The service sets `VLLM_USE_V2_MODEL_RUNNER` to match on CUDA unless you set it.",
         "use auto, ours or upstream, or unset it (auto)",
     ),
     EnvVar(
@@ -283,6 +286,16 @@ VARIABLES: tuple[EnvVar, ...] = (
         "quantized checkpoint has it, instead of a fourth shard of the QKV GEMM. For comparing a "
         "quantized checkpoint with its bf16 twin on the same layer structure (the GPU twin tests); "
         "the same weights, another GEMM split, so bf16 rounding may differ.",
+        "use 1 or 0 (true/false, yes/no, on/off), or unset it (0)",
+    ),
+    EnvVar(
+        FORCE_SM86,
+        parse_flag,
+        False,
+        "`0`",
+        "`1` makes a newer NVIDIA GPU (an H100/H200) take every choice an RTX 3090 takes: Triton/FLA "
+        "GDN prefill, Marlin for FP8 weights, kernel tiles sized for 101,376 bytes of shared memory per "
+        "block (`model/sm86.py`). For testing the 3090's paths where no 3090 is at hand.",
         "use 1 or 0 (true/false, yes/no, on/off), or unset it (0)",
     ),
     EnvVar(

@@ -11,24 +11,21 @@ Hopper (sm_90) cards, where vLLM and upstream would otherwise choose differently
 - Kernel tiles: sized for 101,376 bytes of shared memory per block (a 3090's opt-in limit), not
   the card's own (:mod:`model.vllm_adapter.upstream_indexer_tiles`).
 
-Only the standard library here: the service reads it before vLLM is imported.
+Only the standard library and :mod:`model.envs` here: the service reads it before vLLM is imported.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
-VARIABLE = "QWEN4EXP_FORCE_SM86"
+from model import envs
+
+VARIABLE = envs.FORCE_SM86
 SHARED_MEMORY_PER_BLOCK = 101376  # an RTX 3090's cudaDevAttrMaxSharedMemoryPerBlockOptin
 CAPABILITY = (8, 6)
 
 
 def forced(env: Mapping[str, str] | None = None) -> bool:
-    """Whether ``QWEN4EXP_FORCE_SM86`` asks for the 3090's choices (``1``/``true``/``yes``)."""
-    value = (os.environ if env is None else env).get(VARIABLE, "").strip().lower()
-    if value in ("", "0", "false", "no"):
-        return False
-    if value in ("1", "true", "yes"):
-        return True
-    raise ValueError(f"{VARIABLE}={value!r}: use 1 or 0")
+    """Whether ``QWEN4EXP_FORCE_SM86`` asks for the 3090's choices (:class:`model.envs.EnvError` if
+    malformed; the service validates it at start-up with the other variables)."""
+    return bool(envs.read(VARIABLE, env))

@@ -219,6 +219,28 @@ PRESETS["real-4layer"] = dict(
 )
 
 
+# The real model as one rank of TP=4 computes it, for timing on one GPU (random weights drawn there:
+# ``--train-steps 0 --device cuda``): the per-rank attention (4 query heads, 1 KV head) and GDN heads
+# (4 key, 8 value), all 512 experts and the shared expert at a quarter of their width, the 16
+# replicated index heads, 40 layers, the real hyper-connections and PLE dimensions with a smaller
+# n-gram vocabulary, and the vocabulary shard of the LM head (248,320 / 4).
+PRESETS["real-rank"] = {
+    **PRESETS["real-4layer"],
+    **dict(
+        vocab_size=62080,
+        num_hidden_layers=40,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        ple_layer_ids=[2],
+        ngram_vocab_size_base=100000,
+    ),
+}
+
+
 # Fidelity shapes: random-weight checkpoints of shapes unlike the presets above, so that no path is
 # only ever checked on shapes it was developed on. ``drawn-<seed>`` names one; each seed varies the
 # hyper-connection count (odd counts included), the expert count and top-k, which layers carry PLE

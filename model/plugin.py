@@ -4,8 +4,10 @@ vLLM runs ``register()`` in every process (API server, engine core, workers, its
 inspection subprocess). Registering under the upstream names replaces vLLM's built-in CUDA-only
 Qwen4Exp; ``QWEN4EXP_CUDA_MODEL`` (:mod:`model.envs`) says with what:
 
-* ``auto`` (default): ``upstream`` on CUDA, ``ours`` on vLLM's CPU build (the only one there).
-  Upstream is 9-16x faster on CUDA with the same tokens (``docs/design/upstream-on-cuda.md``).
+* ``auto`` (default): ``ours`` on vLLM's CPU build (the only one there), ``upstream`` on CUDA
+  (7-16x faster, the same tokens: ``docs/design/upstream-on-cuda.md``). The service resolves
+  ``auto`` before vLLM starts, from config.json and the GPU, and passes ``ours`` on where upstream
+  cannot serve the checkpoint (``model.cuda_model_choice.choose_implementation``).
 * ``ours``: this plugin's implementation (``model.vllm_adapter.model``), on vLLM's CPU build and on
   CUDA (V1 runner, no CUDA graphs; any checkpoint shape).
 * ``upstream``, on CUDA: vLLM's own implementation behind thin subclasses

@@ -38,7 +38,8 @@ stream() {  # name pytest-args...
   echo "$name rc=$? $(tail -1 "$logs/$name.log")" >> "$logs/summary.txt"
 }
 want() { [[ " $streams " == *" $1 "* ]]; }
-want kernels && stream kernels tests/gpu/test_ple_gather.py tests/gpu/test_qsa_clip.py tests/gpu/test_qsa_kernel.py \
+want kernels && stream kernels tests/gpu/test_ple_gather.py tests/gpu/test_ple_gather_large_table.py tests/gpu/test_qsa_clip.py \
+  tests/gpu/test_qsa_kernel.py \
   tests/gpu/test_gdn_short_prefill.py tests/unit/test_qsa_batched_selection.py &
 want parity && stream parity tests/gpu/test_engine_parity.py &
 want service && stream service tests/gpu/test_service_cuda.py &

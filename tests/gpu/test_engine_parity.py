@@ -11,8 +11,7 @@ test's rule), so a real bug fails.
 vLLM 0.32 turns CUDA graphs off for this model (our metadata backend declares
 ``AttentionCGSupport.NEVER``; it logs "setting cudagraph_mode=NONE"), so the ``cuda_graphs`` modes run
 eagerly today; they are kept so that they test graphs once the QSA/PLE layers become capturable.
-On an H200 ``tiny-eager`` and ``tiny-chunked_eager`` passed; the rest were cut by the
-device budget (``bench/gpu_parity_probe.py`` gave 8/8 for both checkpoints, eager).
+Results per platform: ``docs/validation.md``.
 """
 
 from __future__ import annotations

@@ -27,11 +27,13 @@ from vllm.entrypoints.serve.tokenize.api_router import router as tokenize_router
 
 from . import http_metrics
 from .body_check import BodyValidation
+from .context_limit import ContextLimitMessage
 from .engine import generate_one_token
 from .errors import ErrorShapeMiddleware, error_body
 from .guards import Admission, ApiKeys, BearerAuth, BodyLimit
 from .lifecycle import Lifecycle, LifecycleGate, Phase
 from .settings import ServiceSettings, read_keys_file
+from .time_limits import BodyTimeout, RequestDeadline
 
 log = logging.getLogger("service.app")
 
@@ -90,6 +92,12 @@ class ReadyProbe:
             self.last_error = None
             self.lifecycle.generation_succeeded()
             return True
+
+
+def engine_max_len(app: FastAPI) -> int | None:
+    """The engine's context length (``init_app_state`` stores vLLM's config once the engine is up)."""
+    config = getattr(app.state, "vllm_config", None)
+    return None if config is None else config.model_config.max_model_len
 
 
 def _unavailable(message: str, code: str, retry_after: int) -> JSONResponse:
@@ -159,7 +167,9 @@ def build_app(
     init_exception_handler(app)
 
     # add_middleware: the last added runs first. Order of a request: auth, phase gate, body
-    # limit, body validation, admission, route.
+    # time limit, body limit, body validation, context-limit message, admission, request deadline,
+    # route.
+    app.add_middleware(RequestDeadline, paths=GENERATION_ROUTES, seconds=settings.request_timeout_seconds)
     app.add_middleware(
         Admission,
         paths=GENERATION_ROUTES,
@@ -168,8 +178,12 @@ def build_app(
         retry_after=settings.retry_after_seconds,
         lifecycle=lifecycle,
     )
+    app.add_middleware(
+        ContextLimitMessage, paths=GENERATION_ROUTES, max_model_len=lambda: engine_max_len(app)
+    )
     app.add_middleware(BodyValidation)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyTimeout, seconds=settings.body_timeout_seconds)
     app.add_middleware(LifecycleGate, lifecycle=lifecycle, retry_after=settings.retry_after_seconds)
     if settings.auth_configured:  # settings.load() refused a configured source without any key
         keys = ApiKeys(settings.variable_keys(), settings.api_keys_file, read_keys_file)

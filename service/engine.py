@@ -65,6 +65,8 @@ def cli_args(settings: ServiceSettings, device: str) -> list[str]:
         argv += ["--max-model-len", str(settings.max_model_len)]
     if settings.max_num_seqs is not None:
         argv += ["--max-num-seqs", str(settings.max_num_seqs)]
+    if settings.kv_cache_memory_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(settings.kv_cache_memory_bytes)]
     if settings.chat_template is not None:
         argv += ["--chat-template", str(settings.chat_template)]
     if settings.enforce_eager or device == "cpu":  # no CUDA graphs on CPU; compiling only costs start time
@@ -90,6 +92,19 @@ def upstream_ple_storage_args(device: str) -> list[str]:
     if choice != "upstream" or mode == "pinned":
         return []
     return ["--engram-config", json.dumps({"cpu_offload": False})]
+
+
+def kv_cache_size_problem(settings: ServiceSettings, device: str) -> str | None:
+    """vLLM's CPU platform lets a set ``VLLM_CPU_KVCACHE_SPACE`` replace ``--kv-cache-memory-bytes``
+    without a word; refuse the pair instead of serving a cache of the other size."""
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    if device != "cpu" or settings.kv_cache_memory_bytes is None or not space:
+        return None
+    return (
+        f"QWEN4EXP_KV_CACHE_MEMORY_BYTES={settings.kv_cache_memory_bytes} and "
+        f"VLLM_CPU_KVCACHE_SPACE={space!r} both size the CPU KV cache (vLLM would use the latter); "
+        "fix: unset one of them"
+    )
 
 
 def parse_args(argv: list[str]) -> Namespace:
@@ -215,6 +230,8 @@ def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namesp
     except SettingsError as exc:
         problems.append(str(exc))
         device = platform_device()  # still check the rest against the platform we have
+    if (kv_problem := kv_cache_size_problem(settings, device)) is not None:
+        problems.append(kv_problem)
     args = parse_args(cli_args(settings, device))
     from model.envs import EnvError
 

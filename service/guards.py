@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import http_metrics
 from .errors import send_error
 from .lifecycle import Lifecycle
+from .queue_watch import acquire_unless_disconnected
 
 log = logging.getLogger("service.guards")
 
@@ -242,7 +243,10 @@ class Admission:
         queued = True
         http_metrics.ADMISSION_QUEUED.inc()
         try:
-            async with self._slots:
+            acquired, receive = await acquire_unless_disconnected(self._slots, receive)
+            if not acquired:  # the client left while queued: its place is free, nothing to answer
+                return
+            try:
                 queued = False
                 http_metrics.ADMISSION_QUEUED.dec()
                 http_metrics.ADMISSION_RUNNING.inc()
@@ -250,6 +254,8 @@ class Admission:
                     await self.app(scope, receive, wrapped)
                 finally:
                     http_metrics.ADMISSION_RUNNING.dec()
+            finally:
+                self._slots.release()
         finally:
             if queued:  # cancelled while waiting for a slot
                 http_metrics.ADMISSION_QUEUED.dec()

@@ -17,7 +17,8 @@ from model.metrics import PREFIX
 
 REQUESTS = Counter(
     PREFIX + "http_requests_total",
-    "HTTP requests answered, by method, route template and status code.",
+    "HTTP requests answered, by method, route template and status code (499: the client left "
+    "before an answer).",
     ("method", "route", "status"),
 )
 LATENCY = Histogram(
@@ -41,6 +42,12 @@ ADMISSION_QUEUED = Gauge(
     PREFIX + "admission_queued",
     "Generation requests waiting for an engine slot (at most QWEN4EXP_MAX_QUEUED_REQUESTS).",
     multiprocess_mode="livesum",
+)
+TIMEOUTS = Counter(
+    PREFIX + "request_timeouts_total",
+    "Requests ended by a time limit: limit=body (QWEN4EXP_BODY_TIMEOUT_SECONDS, a trickled body) or "
+    "limit=request (QWEN4EXP_REQUEST_TIMEOUT_SECONDS, e.g. a stream read too slowly).",
+    ("limit",),
 )
 SERVICE_READY = Gauge(
     PREFIX + "service_ready",
@@ -78,16 +85,19 @@ class HttpMetricsMiddleware:
         method = scope["method"]
         status = 500  # if the app raises before answering
         started = time.perf_counter()
+        answered = False
 
         async def wrapped(message: Message) -> None:
-            nonlocal status
+            nonlocal status, answered
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, answered = message["status"], True
             await send(message)
 
         IN_PROGRESS.labels(route).inc()
         try:
             await self.app(scope, receive, wrapped)
+            if not answered:  # the client left before an answer (nginx's 499), not a server error
+                status = 499
         finally:
             IN_PROGRESS.labels(route).dec()
             LATENCY.labels(method, route).observe(time.perf_counter() - started)

@@ -38,6 +38,7 @@ FIXES: dict[str, str] = {
     "gpu_memory_utilization": "use a fraction in (0, 1], e.g. 0.9",
     "enforce_eager": "use true or false",
     "max_num_seqs": "use a positive integer, or leave it unset for vLLM's default",
+    "kv_cache_memory_bytes": "use a positive integer number of bytes, or leave it unset for vLLM's sizing",
     "prefix_caching": "use true or false",
     "host": "use an address to bind, e.g. 0.0.0.0 or 127.0.0.1",
     "port": "use an integer port in 1..65535",
@@ -51,6 +52,8 @@ FIXES: dict[str, str] = {
     "drain_seconds": "use a number of seconds >= 0",
     "ready_max_age_seconds": "use a positive number of seconds",
     "ready_timeout_seconds": "use a positive number of seconds",
+    "body_timeout_seconds": "use a positive number of seconds",
+    "request_timeout_seconds": "use a positive number of seconds",
     "chat_template": "point it at a readable Jinja template file, or leave it unset",
     "log_level": "use debug, info, warning or error",
 }
@@ -88,6 +91,12 @@ class ServiceSettings(BaseSettings):
     )
     max_num_seqs: int | None = Field(
         None, ge=1, description="Engine batch size (sequences per step); default: vLLM's."
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="KV-cache size in bytes (vLLM's `--kv-cache-memory-bytes`); default: vLLM's sizing "
+        "(GPU: `QWEN4EXP_GPU_MEMORY_UTILIZATION`). On CPU it cannot be combined with `VLLM_CPU_KVCACHE_SPACE`.",
     )
     prefix_caching: bool = Field(
         True,
@@ -127,6 +136,18 @@ class ServiceSettings(BaseSettings):
         "tokens) within this age; when idle it runs a 1-token probe generation.",
     )
     ready_timeout_seconds: float = Field(10.0, gt=0, description="Time limit of `/ready`'s probe generation.")
+    body_timeout_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="Time a client has to send its whole request body; slower (a trickled body): 408.",
+    )
+    request_timeout_seconds: float = Field(
+        1800.0,
+        gt=0,
+        description="Longest a generation request may run once admitted (a stream read slowly included); "
+        "then its engine request is aborted and it ends with a `request_timeout` error (408, or a "
+        "last SSE event when streaming).",
+    )
     chat_template: Path | None = Field(None, description="Jinja chat template overriding the checkpoint's.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 

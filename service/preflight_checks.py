@@ -9,7 +9,7 @@ arithmetic, resource limits and cgroup files. Each check returns a :class:`Check
   check here, with the reason, e.g. no GPU on a CPU machine).
 
 The pure functions (parsers, the verdicts) take their inputs as arguments so they are tested on
-CPU with recorded ``nvidia-smi`` output; :mod:`service.cuda_preflight` gathers the real inputs and
+CPU with ``nvidia-smi`` output in its formats; :mod:`service.cuda_preflight` gathers the real inputs and
 prints the table.
 """
 

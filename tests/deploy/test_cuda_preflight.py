@@ -200,7 +200,8 @@ def test_the_images_cuda_and_the_documented_driver_agree_with_the_table():
 
 # ---- the deployment preflight's other checks (service/preflight_checks.py) ----------------------
 
-# Recorded from a 4x RTX 3090 host with one NVLink bridge (GPU0-GPU1): nvidia-smi 580.
+# nvidia-smi output in its documented formats (query CSV, `topo -m`, `topo -p2p r`), written for a
+# 4x RTX 3090 host with one NVLink bridge (GPU0-GPU1); not captured from a real host.
 SMI_QUERY_3090 = """0, NVIDIA GeForce RTX 3090, 8.6, 24576, 580.95.05
 1, NVIDIA GeForce RTX 3090, 8.6, 24576, 580.95.05
 2, NVIDIA GeForce RTX 3090, 8.6, 24576, 580.95.05
@@ -231,7 +232,7 @@ Legend:
 """
 
 
-def test_gpu_query_and_topology_parse_recorded_nvidia_smi_output():
+def test_gpu_query_and_topology_parse_nvidia_smi_output():
     from service.preflight_checks import check_gpus, parse_gpu_query, parse_topology
 
     gpus = parse_gpu_query(SMI_QUERY_3090)

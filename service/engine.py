@@ -72,7 +72,73 @@ def cli_args(settings: ServiceSettings, device: str) -> list[str]:
     if settings.enforce_eager or device == "cpu":  # no CUDA graphs on CPU; compiling only costs start time
         argv.append("--enforce-eager")
     argv += upstream_ple_storage_args(device)
+    argv += gdn_prefill_args(device)
     return argv
+
+
+def gdn_prefill_args(device: str) -> list[str]:
+    """On CUDA, the Gated DeltaNet prefill kernel when vLLM's own pick cannot run or is not a 3090's.
+
+    vLLM picks FlashInfer's GDN prefill on Hopper, which imports the CuTe DSL (``cutlass``); where
+    that package is missing the engine would fail at its first prefill, so Triton/FLA (what vLLM
+    picks on an RTX 3090, and on every GPU without FlashInfer's kernel) is passed instead, as it is
+    under ``QWEN4EXP_FORCE_SM86=1``. Elsewhere vLLM decides."""
+    import importlib.util
+
+    from model import sm86
+
+    if device != "cuda":
+        return []
+    if not sm86.forced() and importlib.util.find_spec("cutlass") is not None:
+        return []
+    return ["--additional-config", json.dumps({"gdn_prefill_backend": "triton"})]
+
+
+def sm86_forced() -> bool:
+    """``QWEN4EXP_FORCE_SM86`` (:mod:`model.sm86`): an H100/H200 takes the RTX 3090's paths."""
+    from model import sm86
+
+    return sm86.forced()
+
+
+def resolve_auto_implementation(settings: ServiceSettings, device: str) -> list[str]:
+    """``QWEN4EXP_CUDA_MODEL=auto`` on CUDA, decided once here from config.json and the GPU.
+
+    vLLM registers the model class in every engine process before any config exists, so the choice
+    is made in this process, from the same facts the subclass checks again in the worker, and
+    exported as ``QWEN4EXP_CUDA_MODEL=upstream|ours`` for the processes vLLM starts. Returns the
+    reasons upstream was not chosen (logged; empty when upstream serves)."""
+    from model import cuda_model_choice, envs
+
+    if device != "cuda" or envs.cuda_model() != "auto":
+        return []
+    from transformers import AutoConfig
+    from vllm.platforms import current_platform
+
+    try:
+        config = AutoConfig.from_pretrained(str(settings.model)).to_dict()
+    except Exception as exc:  # vLLM's own config check reports an unreadable model with its reason
+        log.warning("QWEN4EXP_CUDA_MODEL=auto: config.json of %s not readable here (%s)", settings.model, exc)
+        return []
+    cap = current_platform.get_device_capability()
+    v2_raw = os.environ.get(cuda_model_choice.V2_RUNNER, "").strip()
+    impl, reasons = cuda_model_choice.choose_implementation(
+        config,
+        os.environ,
+        cuda=True,
+        capability=None if cap is None else (int(cap.major), int(cap.minor)),
+        kv_cache_dtype=settings.kv_cache_dtype,
+        v2_runner=v2_raw in ("", "1", "true", "True"),
+    )
+    os.environ[envs.CUDA_MODEL] = impl
+    if reasons:
+        log.warning(
+            "QWEN4EXP_CUDA_MODEL=auto serves ours (vLLM's own CUDA Qwen4-Exp cannot serve this deployment): %s",
+            "; ".join(reasons),
+        )
+    else:
+        log.info("QWEN4EXP_CUDA_MODEL=auto serves vLLM's own CUDA Qwen4-Exp through our subclass")
+    return reasons
 
 
 def upstream_ple_storage_args(device: str) -> list[str]:
@@ -236,6 +302,11 @@ def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namesp
     from model.envs import EnvError
 
     try:
+        if device == "cuda" and sm86_forced():
+            os.environ.setdefault(
+                "VLLM_TEST_FORCE_FP8_MARLIN", "1"
+            )  # FP8 weights through Marlin, as on sm_86
+        resolve_auto_implementation(settings, device)
         default_model_runner()
     except EnvError as exc:  # a malformed QWEN4EXP_CUDA_MODEL, reported with the rest
         problems.append(str(exc))

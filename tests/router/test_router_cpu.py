@@ -28,7 +28,16 @@ import pytest
 from tests.conftest import ROOT
 from tests.service.conftest import error_of
 
-from .cluster import KEY, ROUTER_BIN, ROUTER_VERSION, Replica, Router, start_replicas, start_router
+from .cluster import (
+    KEY,
+    ROUTER_BIN,
+    ROUTER_VERSION,
+    STARTUP_TIMEOUT_S,
+    Replica,
+    Router,
+    start_replicas,
+    start_router,
+)
 from .conversations import TURNS, client, run_conversations, words
 
 
@@ -227,7 +236,7 @@ def test_a_killed_replica_fails_over_and_comes_back(replicas, router: Router) ->
 
     # The replica returns on the same address; the router's health checks take it back.
     victim.launch()
-    victim.wait_ready(time.monotonic() + 240)
+    victim.wait_ready(time.monotonic() + STARTUP_TIMEOUT_S)
     router.wait_health(victim.url, True, timeout=30)
     health = {s.labels["worker"]: s.value for s in router.metrics()["vllm_router_worker_health"]}
     assert health == {r.url: 1.0 for r in replicas}, health

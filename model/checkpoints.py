@@ -184,39 +184,19 @@ PRESETS["holdout"] = {
 # heads of 128, budget 2048 / ratio 4, a null output gate, 512 experts) cut to 4 layers (3 GDN + 1
 # QSA) with the checkpoints' small vocabulary and PLE vocabulary, so transformers can be the float32
 # reference on one GPU: ~13 GB in bf16.
-PRESETS["real-4layer"] = dict(
-    vocab_size=512,
-    hidden_size=2048,
-    num_hidden_layers=4,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    num_experts=512,
-    num_experts_per_tok=10,
-    moe_intermediate_size=512,
-    shared_expert_intermediate_size=512,
-    hc_count=4,
-    hc_lowrank=320,
-    ple_layer_ids=[2],
-    ple_embed_dim=2048,
-    ngram_size=3,
-    heads_per_ngram=8,
-    ngram_vocab_size_base=1000,
-    make_ngram_vocab_size_divisible_by=128,
-    split_ngram_parts=4,
-    indexer_n_heads=16,
-    indexer_kv_heads=1,
-    indexer_head_dim=128,
-    indexer_budget=2048,
-    indexer_compress_ratio=4,
-    output_gate_type=None,
-    max_position_embeddings=32768,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
-)
+PRESETS["real-4layer"] = {
+    **PRESETS["real-compute"],
+    **dict(
+        num_hidden_layers=4,
+        num_experts=512,
+        ple_layer_ids=[2],
+        make_ngram_vocab_size_divisible_by=128,
+        indexer_n_heads=16,
+        output_gate_type=None,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    ),
+}
 
 
 # The real model as one rank of TP=4 computes it, for timing on one GPU (random weights drawn there:

@@ -4,11 +4,11 @@
 # x86_64 and the image's Python, in one tarball, optionally split into parts of a given size (for
 # transfers that limit a file's size). Run it where PyPI is reachable.
 #
-# Usage: bash scripts/offline-bundle.sh [--out DIR] [--python 3.12] [--split SIZE]   (SIZE as for split -b, e.g. 40M)
+# Usage: bash scripts/offline-bundle.sh [--out DIR] [--python 3.11] [--split SIZE]   (SIZE as for split -b, e.g. 40M)
 # On the GPU host:  cat DIR/parts/* | tar -x   (or tar -xf DIR/bundle.tar), then  bash bundle/install.sh [--target DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=offline-bundle py=3.12 split_size=""
+out=offline-bundle py=3.11 split_size=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out=$2; shift 2 ;;

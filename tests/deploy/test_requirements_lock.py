@@ -68,7 +68,11 @@ def test_pyproject_dependencies_are_satisfied_by_the_lock():
         if version is None or not req.specifier.contains(version, prereleases=True):
             bad.append(f"{dep}: locked {version}")
     assert not bad, f"pyproject.toml and deploy/requirements-cuda.txt disagree: {bad}"
-    # And every top-level pin of the image is either vLLM's stack or a pyproject dependency.
-    declared = {normalized(Requirement(d).name) for d in deps} | {"vllm", "torch"}
+    # And every top-level pin of the image is either vLLM's stack, a pyproject dependency, or the
+    # router the scale-out deployments run from this image, at the version the tests use.
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    (router,) = [Requirement(d) for d in extras if normalized(Requirement(d).name) == "vllm-router"]
+    assert router.specifier.contains(pins["vllm-router"][0]), (str(router), pins["vllm-router"])
+    declared = {normalized(Requirement(d).name) for d in deps} | {"vllm", "torch", "vllm-router"}
     top = {normalized(Requirement(ln).name) for ln in INPUT.read_text().splitlines() if ln and ln[0] != "#"}
     assert top == declared, top ^ declared

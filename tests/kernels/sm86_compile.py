@@ -61,7 +61,7 @@ def load_ops() -> dict[str, types.ModuleType]:
     stub.__dict__.update(HAS_TRITON=True, triton=triton, tl=tl)
     sys.modules["vllm.triton_utils"] = stub
     modules = {
-        name: importlib.import_module(f"{OPS}.{name}") for name in ("qsa_indexer", "qsa", "qsa_prepare")
+        name: importlib.import_module(f"{OPS}.{name}") for name in ("qsa_indexer", "qsa", "qsa_prepare", "hc")
     }
     assert isinstance(modules["qsa_indexer"]._qsa_mqa_paged_prefill_kernel, triton.JITFunction)
     return modules
@@ -514,6 +514,48 @@ def our_reader(group: int, kv_format: str) -> Launch:
                   head_dim=MAIN_DIM, tile=f"BLOCK_N={block_n} NUM_SPLITS=4 stages=2 warps=8")  # fmt: skip
 
 
+HIDDEN, HC_COUNT, HC_LOWRANK = 2048, 4, 320  # the real model's hyper-connections
+
+
+def generic(fn: Any, constexprs: dict[str, Any], warps: int = 4, tile: str = "") -> Launch:
+    """A launch whose pointers are bf16 tensors and whose other runtime arguments are strides of
+    the real hyper-connection width (what upstream's HC launchers pass)."""
+    args = {
+        n: ("*bf16" if n.endswith("_ptr") else HIDDEN * HC_COUNT) for n in fn.arg_names if n not in constexprs
+    }
+    return Launch(fn, args, constexprs, warps, heads="-", head_dim=HIDDEN, tile=tile or "launcher defaults")
+
+
+def hc_launches(ops: dict[str, types.ModuleType]) -> Iterator[tuple[str, Launch]]:
+    """Upstream's hyper-connection kernels at the real width (4 streams of 2048), as on sm_86 (no PDL)."""
+    hc = ops["hc"]
+    dim = HIDDEN * HC_COUNT
+    base = {"launch_pdl": False}
+    yield (
+        "hc grouped norm",
+        generic(
+            hc._grouped_gemma_rmsnorm_kernel,
+            base | {"DIM": dim, "NUM_GROUPS": HC_COUNT, "W_SHARED": False, "EPS": 1e-6},
+        ),
+    )
+    yield "hc silu", generic(hc._hc_silu_kernel, base | {"DIM": HC_LOWRANK, "HC": HC_COUNT})
+    yield (
+        "hc gate mix",
+        generic(hc._hc_gate_mix_kernel, base | {"DIM": dim, "HC": HC_COUNT, "BLOCK_SIZE": 512}),
+    )
+    yield (
+        "hc combine",
+        generic(hc._hc_combine_kernel, base | {"HC_DIM": HIDDEN, "HC": HC_COUNT, "BLOCK_SIZE": 512}),
+    )
+    yield (
+        "hc combine+norm",
+        generic(
+            hc._hc_combine_norm_kernel,
+            base | {"HC_DIM": HIDDEN, "HC": HC_COUNT, "W_SHARED": False, "EPS": 1e-6, "BLOCK_SIZE": 512},
+        ),
+    )
+
+
 def product_launches(ops: dict[str, types.ModuleType]) -> Iterator[tuple[str, Launch]]:
     """Every QSA Triton kernel the served path launches on a 3090 for the real model, with the tiles
     the product picks there (the indexer prefill tile from ``upstream_indexer_tiles``). The FP8 main
@@ -532,6 +574,7 @@ def product_launches(ops: dict[str, types.ModuleType]) -> Iterator[tuple[str, La
             yield f"our reader TP={tp}", our_reader(group, kv_format)
     for launch in small_kernels(ops, "bf16"):
         yield launch.kernel.__name__, launch
+    yield from hc_launches(ops)
 
 
 def check_product() -> list[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""Every QSA Triton kernel the served path launches on an RTX 3090, compiled for sm_86 (no GPU).
+"""Every QSA and hyper-connection Triton kernel the served path launches on an RTX 3090, compiled
+for sm_86 (no GPU).
 
 At the real model's shapes per rank for TP 1, 2 and 4 and with the tiles the product picks there
 (``tests.kernels.sm86_compile.product_launches``): shared memory within the 3090's 101,376 bytes
@@ -57,6 +58,7 @@ def test_served_kernels_fit_an_rtx_3090():
         "sparse attention",
         "our reader",
         "_qsa_prepare_kernel",
+        "hc combine+norm",
     } <= kernels
     for r in rows:
         assert r["shared"] <= 101376, r

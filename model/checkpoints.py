@@ -132,9 +132,9 @@ PRESETS: dict[str, dict] = {
 # a shared one, low-rank 320 hyper-connections) on qsa512's indexer, vocabulary and PLE vocabulary,
 # with 16 experts instead of 512: ~4B parameters (~8 GB bf16), ~3.3B active. For timing only (random
 # weights, ``--train-steps 0 --device cuda`` draws them on a GPU in a minute): a prefill that costs
-# what the real model's does, which qsa512 (hidden 256, 8 layers) is too small to show. 4 index heads
-# as in qsa512: with 16, upstream's indexer prefill kernel needs 296 KiB of shared memory and does not
-# launch even on an H200 (model.cuda_model_choice.indexer_prefill_shared_bytes). RoPE on a quarter of
+# what the real model's does, which qsa512 (hidden 256, 8 layers) is too small to show. The real 16
+# index heads (upstream's indexer prefill runs them with a tile sized for the GPU,
+# model.vllm_adapter.upstream_indexer_tiles). RoPE on a quarter of
 # the 256-wide heads, 64 dimensions: what transformers' rotary embedding assumes (its default MRoPE
 # sections [11, 11, 10] interleave 32 frequency pairs, ``modeling_qwen4_exp.py`` Qwen4ExpTextRotaryEmbedding)
 # and what upstream's fused QSA prepare is written for; keeping qsa512's factor 0.5 on 256-wide heads
@@ -156,6 +156,7 @@ PRESETS["real-compute"] = {
         hc_lowrank=320,
         ple_embed_dim=2048,
         heads_per_ngram=8,
+        indexer_n_heads=16,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25},
     ),
 }

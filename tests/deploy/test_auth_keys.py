@@ -8,7 +8,6 @@ on the next request, and a version of the file without any key is ignored (the p
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -20,6 +19,7 @@ import httpx
 import pytest
 
 from tests.conftest import ROOT, ensure_checkpoint
+from tests.service.conftest import service_env as base_service_env
 
 STARTUP_TIMEOUT_S = 300
 OLD_KEY = "old-key-0123456789abcdef"
@@ -27,16 +27,10 @@ NEW_KEY = "new-key-fedcba9876543210"
 
 
 def service_env(**overrides: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.upper().startswith(("QWEN4EXP_", "VLLM_QSA_", "VLLM_PLE_"))
-    }
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
-    env.update(QWEN4EXP_MODEL=str(ensure_checkpoint("tiny")), QWEN4EXP_HOST="127.0.0.1", **overrides)
-    return env
+    """The service's environment for the real ``tiny`` service on loopback, plus ``overrides``."""
+    return base_service_env(
+        QWEN4EXP_MODEL=str(ensure_checkpoint("tiny")), QWEN4EXP_HOST="127.0.0.1", **overrides
+    )
 
 
 def free_port() -> int:

@@ -19,8 +19,10 @@ import torch
 from tests.conftest import CHECKPOINTS, ROOT
 from tests.fidelity import measure
 
-SHAPES = ("tiny", "drawn-6")
-LENGTHS = (4, 300, 600)
+# drawn-6: hc 3, 8 experts, PLE on three layers with 4-grams, 4 index heads, RoPE on 32 of 128 dims.
+# Its prompts stop at 300 tokens: a 904-token batch of it took the CPU worker past this machine's
+# memory (see docs/fidelity.md).
+LENGTHS = {"tiny": (4, 300, 600), "drawn-6": (4, 300)}
 
 
 def _checkpoint(shape: str):
@@ -44,19 +46,19 @@ def _checkpoint(shape: str):
     return path
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", sorted(LENGTHS))
 def test_ours_is_as_close_to_float32_as_transformers_bf16(shape):
     from vllm import LLM
 
     path = _checkpoint(shape)
-    prompts = measure.prompts_of_lengths(path, LENGTHS)
+    prompts = measure.prompts_of_lengths(path, LENGTHS[shape])
     ref32 = measure.transformers_token_logprobs(path, prompts, torch.float32)
     yardstick = measure.fidelity(
         ref32, measure.as_observed(measure.transformers_token_logprobs(path, prompts, torch.bfloat16))
     )
     llm = LLM(
         model=str(path), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
-        max_model_len=max(LENGTHS) + 16, seed=0,
+        max_model_len=max(LENGTHS[shape]) + 16, seed=0,
     )  # fmt: skip
     try:
         ours = measure.fidelity(ref32, measure.vllm_token_logprobs(llm, prompts))

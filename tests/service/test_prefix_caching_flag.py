@@ -62,6 +62,10 @@ def test_ple_storage_reaches_upstreams_engram_config(monkeypatch, choice, offloa
     else:
         monkeypatch.setenv("VLLM_PLE_CPU_OFFLOAD", offload)
     argv = engine.cli_args(settings(monkeypatch, None), device)
-    assert argv[argv.index("--engram-config") :] == flag if flag else "--engram-config" not in argv
+    if flag:
+        at = argv.index("--engram-config")
+        assert argv[at : at + 2] == flag
+    else:
+        assert "--engram-config" not in argv
     if flag:  # vLLM's own parser takes it
         assert engine.parse_args(argv).engram_config.cpu_offload is False

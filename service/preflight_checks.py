@@ -26,13 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from model.cuda_model_choice import SHARED_MEMORY_OPTIN  # one table of the GPUs' opt-in shared memory
+
 GIB = 1 << 30
 MIB = 1 << 20
 MIN_CAPABILITY = (8, 0)  # bf16 tensor cores and the Triton kernels' instructions (Ampere)
-
-# Opt-in shared memory per block by compute capability (CUDA programming guide), used when only
-# nvidia-smi is available; model.cuda_model_choice holds the same table for the service.
-SHARED_MEMORY_OPTIN = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448}
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,13 @@
 #
 # Usage: bash scripts/gpu-test.sh [--logs DIR] [--streams "NAME ..."] [--bench] [-k EXPR]
 #   streams (default: all): kernels parity service service_upstream upstream upstream_quant
-#     marlin prefix fidelity preemption
+#     marlin prefix fidelity preemption real_shape
 #   --bench   after the judges, the GPU benchmarks (timing only) into DIR/bench-*.log
 #   -k EXPR   passed to every stream's pytest
 # Environment: EXTRA_PYTHONPATH (e.g. a --target install of the CUDA stack), GPU_TEST_KV_CACHE_BYTES.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-logs=gpu-test-logs streams="kernels parity service service_upstream upstream upstream_quant marlin prefix fidelity preemption"
+logs=gpu-test-logs streams="kernels parity service service_upstream upstream upstream_quant marlin prefix fidelity preemption real_shape"
 bench=0 kexpr=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -49,7 +49,8 @@ want upstream_quant && stream upstream_quant tests/gpu/test_upstream_cuda.py -k 
 want marlin && stream marlin tests/gpu/test_quant_marlin.py &
 want prefix && stream prefix tests/gpu/test_prefix_cache_cuda.py &
 want fidelity && stream fidelity tests/gpu/test_fidelity_cuda.py &
-want preemption && [ -f tests/gpu/test_preemption_cuda.py ] && stream preemption tests/gpu/test_preemption_cuda.py &
+want preemption && stream preemption tests/gpu/test_preemption_cuda.py &
+want real_shape && stream real_shape tests/gpu/test_real_shape_cuda.py &
 wait
 if [ "$bench" = 1 ]; then
   for b in bench/gpu_qsa_kernels.py bench/gpu_ple_gather.py bench/bench_engine_gpu.py; do

@@ -29,6 +29,8 @@ from tests.fidelity import measure
 
 SUBLAYERS = ("ple", "linear_attn", "self_attn", "mlp")
 ENGINE_TIMEOUT_S = int(os.environ.get("FIDELITY_ENGINE_TIMEOUT_S", "900"))
+DEVICE = os.environ.get("FIDELITY_DEVICE", "cuda")  # "cpu": try the harness itself on vLLM's CPU build
+DIAGNOSIS_TOKENS = int(os.environ.get("FIDELITY_DIAGNOSIS_TOKENS", "600"))
 
 
 def engine_env(impl: str) -> dict[str, str]:
@@ -41,7 +43,10 @@ def engine_env(impl: str) -> dict[str, str]:
     return env
 
 
-def engine_args(graphs: bool, max_len: int) -> dict:
+def engine_args(mode: str, max_len: int) -> dict:
+    """``mode``: ``eager`` or ``graphs``, optionally ``+ssm32`` (GDN recurrent state kept in float32
+    between steps, vLLM's ``mamba_ssm_cache_dtype``)."""
+    graphs = mode.split("+")[0] == "graphs"
     args = dict(
         dtype="bfloat16",
         enforce_eager=not graphs,
@@ -56,33 +61,59 @@ def engine_args(graphs: bool, max_len: int) -> dict:
     )
     if graphs:
         args["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
+    if "ssm32" in mode.split("+")[1:]:
+        args["mamba_ssm_cache_dtype"] = "float32"
     return args
 
 
-def _engine_child(path: str, impl: str, graphs: bool, prompts, out: str) -> None:
+def _engine_child(path: str, impl: str, mode: str, prompts, out: str) -> None:
     os.environ.update(engine_env(impl))
     from vllm import LLM
 
-    llm = LLM(model=path, **engine_args(graphs, max(map(len, prompts))))
+    llm = LLM(model=path, **engine_args(mode, max(map(len, prompts))))
     observed = []
     for ids in prompts:  # one at a time, so a slow or stuck prompt shows in the log
         t0 = time.time()
         observed += measure.vllm_token_logprobs(llm, [ids])
         print(f"[engine {impl}] {len(ids)} tokens: {time.time() - t0:.1f}s", flush=True)
     torch.save([(o.logprobs, o.top1) for o in observed], out)
+    _leave(llm)
 
 
-def run_engine(path: Path, impl: str, graphs: bool, prompts, out: Path) -> list[measure.Observed] | str:
-    ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=_engine_child, args=(str(path), impl, graphs, prompts, str(out)))
-    proc.start()
-    proc.join(ENGINE_TIMEOUT_S)
+def _leave(llm) -> None:
+    """Shut the engine down and end the process now: a child holding an LLM can otherwise hang at
+    interpreter exit (its engine-core process outlives it), and the parent would wait for nothing."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as exc:  # the result is saved already; the exit matters, not the shutdown
+        print(f"engine shutdown: {type(exc).__name__}: {exc}", flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _wait(proc, out: Path) -> None:
+    """Until ``proc`` exits, or its result file exists and it had 30 s to exit, or the timeout."""
+    deadline = time.monotonic() + ENGINE_TIMEOUT_S
+    written_at = None
+    while proc.is_alive() and time.monotonic() < deadline:
+        proc.join(2)
+        if written_at is None and out.exists():
+            written_at = time.monotonic()
+        if written_at is not None and time.monotonic() - written_at > 30:
+            break
     if proc.is_alive():
         proc.kill()
         proc.join()
-        return f"engine did not finish in {ENGINE_TIMEOUT_S} s"
-    if proc.exitcode != 0 or not out.exists():
-        return f"engine exited with {proc.exitcode}"
+
+
+def run_engine(path: Path, impl: str, mode: str, prompts, out: Path) -> list[measure.Observed] | str:
+    ctx = mp.get_context("spawn")
+    out.unlink(missing_ok=True)
+    proc = ctx.Process(target=_engine_child, args=(str(path), impl, mode, prompts, str(out)))
+    proc.start()
+    _wait(proc, out)
+    if not out.exists():
+        return f"engine gave no result (exit code {proc.exitcode}; timeout {ENGINE_TIMEOUT_S} s)"
     return [measure.Observed(lp, t1) for lp, t1 in torch.load(out)]
 
 
@@ -91,40 +122,53 @@ def run_engine(path: Path, impl: str, graphs: bool, prompts, out: Path) -> list[
 _CAPTURED: dict[str, torch.Tensor] = {}
 
 
-def _hook_model(model: torch.nn.Module, tokens: int, upstream: bool) -> None:
-    """Forward hooks that keep each sublayer's output (PLE: its contribution) for a pass of ``tokens``."""
+def _hook_model(model: torch.nn.Module, tokens: int, engine: bool) -> None:
+    """Forward hooks that keep each sublayer's input and output (PLE: its contribution) for a pass
+    of ``tokens``: ``<name>`` and ``<name>.in``. An error that grows from input to output more than
+    transformers-bf16's does is lost inside that sublayer."""
+
+    def rows(x):
+        x = x[0] if isinstance(x, tuple) else x
+        if not isinstance(x, torch.Tensor):
+            return None
+        if x.dim() == 3:
+            x = x[0]
+        return x if x.shape[0] == tokens else None
 
     def keep(name: str, is_ple: bool):
-        def hook(module, args, output):
-            out = output[0] if isinstance(output, tuple) else output
-            if out.dim() == 3:
-                out = out[0]
-            if out.shape[0] != tokens:
+        def hook(module, args, kwargs, output):
+            inp = rows(args[0]) if args else rows(next(iter(kwargs.values()), None))
+            out = rows(output)
+            if out is None:
                 return
-            if is_ple and upstream:  # upstream's PLE returns the streams with its contribution added
-                inp = args[0] if args else None
+            if is_ple and engine and inp is not None:  # the engines' PLE layers return streams + contribution
                 out = out - inp
             _CAPTURED[name] = out.detach().float().cpu()
+            if inp is not None:
+                _CAPTURED[name + ".in"] = inp.detach().float().cpu()
 
         return hook
 
     for name, module in model.named_modules():
         parts = name.split(".")
-        if len(parts) >= 2 and parts[-2].isdigit() and parts[-1] in SUBLAYERS and parts[-3] == "layers":
-            module.register_forward_hook(keep(f"layers.{parts[-2]}.{parts[-1]}", parts[-1] == "ple"))
+        if len(parts) >= 3 and parts[-2].isdigit() and parts[-1] in SUBLAYERS and parts[-3] == "layers":
+            module.register_forward_hook(
+                keep(f"layers.{parts[-2]}.{parts[-1]}", parts[-1] == "ple"), with_kwargs=True
+            )
 
 
 def _reference_sublayers(path: Path, ids: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from transformers import Qwen4ExpForCausalLM
 
     _CAPTURED.clear()
-    model = Qwen4ExpForCausalLM.from_pretrained(str(path), dtype=dtype).cuda().eval()
-    _hook_model(model, len(ids), upstream=False)
+    model = Qwen4ExpForCausalLM.from_pretrained(str(path), dtype=dtype).to(DEVICE).eval()
+    _hook_model(model, len(ids), engine=False)
     with torch.inference_mode():
-        model(input_ids=torch.tensor([ids], device="cuda"))
+        model(input_ids=torch.tensor([ids], device=DEVICE))
     found = dict(_CAPTURED)
     del model
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return found
 
 
@@ -134,21 +178,23 @@ def _diagnose_child(path: str, impl: str, ids: list[int], out: str) -> None:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=path, **engine_args(False, len(ids)), max_num_batched_tokens=max(len(ids), 2048))
-    llm.apply_model(lambda model: _hook_model(model, len(ids), upstream=impl == "upstream"))
+    llm = LLM(model=path, **engine_args("eager", len(ids)), max_num_batched_tokens=max(len(ids), 2048))
+    llm.apply_model(lambda model: _hook_model(model, len(ids), engine=True))
     _CAPTURED.clear()
     llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
     torch.save(dict(_CAPTURED), out)
+    _leave(llm)
 
 
 def diagnose(path: Path, impl: str, ids: list[int], workdir: Path) -> list[dict]:
     """Each sublayer's relative error against float32 for ``impl`` and for transformers-bf16."""
     out = workdir / f"sublayers-{impl}.pt"
     ctx = mp.get_context("spawn")
+    out.unlink(missing_ok=True)
     proc = ctx.Process(target=_diagnose_child, args=(str(path), impl, ids, str(out)))
     proc.start()
-    proc.join()
-    if proc.exitcode != 0 or not out.exists():
+    _wait(proc, out)
+    if not out.exists():
         return [{"error": f"diagnosis engine exited with {proc.exitcode}"}]
     engine = torch.load(out)
     ref32 = _reference_sublayers(path, ids, torch.float32)
@@ -159,16 +205,20 @@ def diagnose(path: Path, impl: str, ids: list[int], workdir: Path) -> list[dict]
         return int(layer), SUBLAYERS.index(kind)
 
     rows = []
-    for name in sorted(ref32, key=order):
-        ref = ref32[name]
-        norm = float(ref.norm()) or 1.0
-        row = {"sublayer": name, "bf16": float((ref16[name] - ref).norm()) / norm}
-        got = engine.get(name)
-        if got is None or got.shape != ref.shape:
-            row[impl] = None
-            row["note"] = "not captured" if got is None else f"shape {tuple(got.shape)} vs {tuple(ref.shape)}"
-        else:
-            row[impl] = float((got - ref).norm()) / norm
+    for name in sorted((n for n in ref32 if not n.endswith(".in")), key=order):
+        row = {"sublayer": name}
+        for key, label in ((name + ".in", "in"), (name, "out")):
+            ref = ref32.get(key)
+            if ref is None:
+                continue
+            norm = float(ref.norm()) or 1.0
+            row[f"bf16_{label}"] = float((ref16[key] - ref).norm()) / norm
+            got = engine.get(key)
+            if got is None or got.shape != ref.shape:
+                row[f"{impl}_{label}"] = None
+                row[f"note_{label}"] = "not captured" if got is None else f"shape {tuple(got.shape)}"
+            else:
+                row[f"{impl}_{label}"] = float((got - ref).norm()) / norm
         rows.append(row)
     return rows
 
@@ -184,7 +234,11 @@ def main() -> int:
     parser.add_argument("--shapes", default="holdout,drawn-1,drawn-8")
     parser.add_argument("--lengths", default="4,600,2500,6000,16000")
     parser.add_argument("--runs", default="upstream:eager,upstream:graphs,ours:eager")
-    parser.add_argument("--diagnose", default="", help="an implementation to hook per sublayer (600 tokens)")
+    parser.add_argument(
+        "--diagnose",
+        default="",
+        help="implementations (comma-separated) to hook per sublayer on a 600-token prompt",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -194,11 +248,17 @@ def main() -> int:
         t0 = time.time()
         ckpt = out / "ckpt" / shape
         if not (ckpt / "model.safetensors").exists():
-            make_checkpoint(shape, ckpt, seed=0, train_steps=0, device="cuda")
+            make_checkpoint(shape, ckpt, seed=0, train_steps=0, device=DEVICE)
         prompts = measure.prompts_of_lengths(ckpt, lengths)
-        ref32 = measure.transformers_token_logprobs(ckpt, prompts, torch.float32, "cuda")
-        ref16 = measure.transformers_token_logprobs(ckpt, prompts, torch.bfloat16, "cuda")
+        ref32 = measure.transformers_token_logprobs(ckpt, prompts, torch.float32, DEVICE)
+        ref16 = measure.transformers_token_logprobs(ckpt, prompts, torch.bfloat16, DEVICE)
         entry: dict = {"transformers-bf16": {}, "runs": {}}
+        if args.diagnose:  # first: it names the sublayer to look at while the full runs go on
+            for impl in args.diagnose.split(","):
+                ids = measure.prompts_of_lengths(ckpt, [DIAGNOSIS_TOKENS])[0]
+                entry.setdefault("diagnosis", {})[impl] = diagnose(ckpt, impl, ids, out)
+                for row in entry["diagnosis"][impl]:
+                    print(f"[{shape}] diag {impl} {json.dumps(row)}", flush=True)
         for i, n in enumerate(lengths):
             entry["transformers-bf16"][n] = measure.as_dict(
                 measure.fidelity([ref32[i]], measure.as_observed([ref16[i]]))
@@ -209,7 +269,7 @@ def main() -> int:
         print(f"[{shape}] references in {time.time() - t0:.0f}s", flush=True)
         for run in args.runs.split(","):
             impl, mode = run.split(":")
-            got = run_engine(ckpt, impl, mode == "graphs", prompts, out / f"{shape}-{impl}-{mode}.pt")
+            got = run_engine(ckpt, impl, mode, prompts, out / f"{shape}-{impl}-{mode}.pt")
             if isinstance(got, str):
                 entry["runs"][run] = {"error": got}
             else:
@@ -222,11 +282,6 @@ def main() -> int:
                 f"[{shape}] {run}: {json.dumps(entry['runs'][run].get('all', entry['runs'][run]))}",
                 flush=True,
             )
-        if args.diagnose:
-            ids = measure.prompts_of_lengths(ckpt, [600])[0]
-            entry["diagnosis"] = {args.diagnose: diagnose(ckpt, args.diagnose, ids, out)}
-            for row in entry["diagnosis"][args.diagnose]:
-                print(f"[{shape}] diag {json.dumps(row)}", flush=True)
         results["shapes"][shape] = entry
         (out / "fidelity.json").write_text(json.dumps(results, indent=1))
     (out / "fidelity.md").write_text(render(results))

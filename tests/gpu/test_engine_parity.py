@@ -41,7 +41,9 @@ MODES = {
 
 
 @torch.no_grad()
-def reference_greedy(path, prompts: dict[str, list[int]], device: str) -> dict:
+def reference_greedy(
+    path, prompts: dict[str, list[int]], device: str, new_tokens: int = MAX_NEW_TOKENS
+) -> dict:
     from transformers import AutoModelForCausalLM, DynamicCache
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
@@ -50,7 +52,7 @@ def reference_greedy(path, prompts: dict[str, list[int]], device: str) -> dict:
         cache = DynamicCache(config=model.config)
         logits = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache).logits
         tokens, lps = [], []
-        for _ in range(MAX_NEW_TOKENS):
+        for _ in range(new_tokens):
             step = logits[0, -1].float().log_softmax(-1)
             token = int(step.argmax())
             tokens.append(token)

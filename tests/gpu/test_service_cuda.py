@@ -32,7 +32,7 @@ from tests.qsa_kv.helpers import run_merge
 
 pytestmark = pytest.mark.vllm_cuda
 
-STARTUP_TIMEOUT_S = 300.0
+STARTUP_TIMEOUT_S = float(os.environ.get("GPU_TEST_STARTUP_TIMEOUT_S", "300"))  # a cold host compiles
 # The tiny checkpoint is ours-only (a QSA top-k of 4 blocks); the default on CUDA would be upstream.
 OURS = {"QWEN4EXP_CUDA_MODEL": "ours"}
 DEVICE = os.environ.get("QWEN4EXP_GPU_DRY_RUN_DEVICE", "cuda")  # "cpu": check this file on vLLM's CPU build
@@ -50,19 +50,29 @@ def free_port() -> int:
 
 
 class Service:
-    """``python -m service`` (through the 3090-paths shim) on ``checkpoint``, ready to answer.
+    """``python -m service`` (through the 3090-paths shim unless ``entry="service"``) on
+    ``checkpoint`` (a preset name or a checkpoint directory), ready to answer.
 
     The test process's own ``QWEN4EXP_*``/``VLLM_QSA_*``/``VLLM_PLE_*`` settings are dropped, and so
     are ``drop``'s names (``VLLM_USE_V2_MODEL_RUNNER`` to let the service choose the runner);
     ``env`` sets the service's."""
 
     def __init__(
-        self, tmp: Path, name: str, checkpoint: str = "tiny", drop: tuple[str, ...] = (), **env: str
+        self,
+        tmp: Path,
+        name: str,
+        checkpoint: str | Path = "tiny",
+        drop: tuple[str, ...] = (),
+        entry: str = "tests.gpu.serve_3090_paths",
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        **env: str,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"{name}.log"
-        self.model = checkpoint
+        self.started = time.monotonic()
+        path = Path(checkpoint) if Path(str(checkpoint)).is_absolute() else ensure_checkpoint(str(checkpoint))
+        self.model = path.name
         full = {
             k: v
             for k, v in os.environ.items()
@@ -71,8 +81,8 @@ class Service:
             and k not in drop
         }
         full.update(
-            QWEN4EXP_MODEL=str(ensure_checkpoint(checkpoint)),
-            QWEN4EXP_SERVED_MODEL_NAME=checkpoint,
+            QWEN4EXP_MODEL=str(path),
+            QWEN4EXP_SERVED_MODEL_NAME=path.name,
             QWEN4EXP_DEVICE=DEVICE,
             QWEN4EXP_HOST="127.0.0.1",
             QWEN4EXP_PORT=str(self.port),
@@ -83,21 +93,22 @@ class Service:
         full.update(env)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.gpu.serve_3090_paths"],
+                [sys.executable, "-m", entry],
                 cwd=ROOT,
                 env=full,
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + startup_timeout_s
         while True:
             if self.proc.poll() is not None:
                 raise AssertionError(f"service exited {self.proc.returncode}:\n{self.log()[-6000:]}")
             if time.monotonic() > deadline:
                 self.stop()
-                raise AssertionError(f"service not ready in {STARTUP_TIMEOUT_S} s:\n{self.log()[-6000:]}")
+                raise AssertionError(f"service not ready in {startup_timeout_s} s:\n{self.log()[-6000:]}")
             try:
                 if httpx.get(self.url + "/ready", timeout=5).status_code == 200:
+                    self.ready_after_s = time.monotonic() - self.started
                     return
             except httpx.HTTPError:
                 pass

@@ -707,7 +707,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ple-format", choices=PLE_FORMATS, help="default: the checkpoint's ple_embedding_dtype")
     p.add_argument("--ple-on-device", action="store_true", help="VLLM_PLE_CPU_OFFLOAD=0")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--speed",
+        metavar="FILE",
+        help="JSON of bench/bench_real_shape.py: print a decode-speed estimate for RTX 3090s at this TP",
+    )
+    p.add_argument("--allreduce-latency-us", type=float, help="--speed: seconds per PCIe all-reduce call, in us")
+    p.add_argument("--allreduce-busbw-gbps", type=float, help="--speed: PCIe all-reduce bus bandwidth, GB/s")
     a = p.parse_args(argv)
+    if a.speed and a.json:
+        p.error("--speed prints a markdown estimate after the markdown plan; leave out --json")
     machine = Machine(a.gpus, a.gpu_mem_gib, a.host_ram_gib)
     options = Options(
         tp=a.tp,
@@ -730,6 +739,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"planner: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(to_json(plan) + "\n" if a.json else render(plan))
+    if a.speed:
+        return _print_speed(a, plan)
+    return 0
+
+
+def _print_speed(a: argparse.Namespace, plan: Plan) -> int:
+    """``--speed``: the measured one-rank step turned into this machine's decode speed, printed
+    after the memory plan because both answer "what will this node do" for the same config."""
+    from model import planner_speed
+
+    try:
+        measured = json.loads(Path(a.speed).read_text())
+        est = planner_speed.estimate_rtx3090_tp4(
+            measured,
+            load_config(a.config),
+            weights_per_rank=weights_per_rank,
+            expert_format=plan.expert_format.split(",")[0].split(" ")[0],
+            tp=plan.tp,
+            latency_us=a.allreduce_latency_us or planner_speed.ALLREDUCE_LATENCY_US,
+            busbw_gbps=a.allreduce_busbw_gbps or planner_speed.ALLREDUCE_BUSBW_GBPS,
+        )
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"planner: --speed {a.speed}: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write("\n" + planner_speed.render_estimate(est))
     return 0
 
 

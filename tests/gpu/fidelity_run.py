@@ -1,9 +1,10 @@
 """Teacher-forced fidelity of the CUDA paths against transformers in float32, and where they lose it.
 
-``python -m tests.gpu.fidelity_run --out DIR [--shapes holdout,drawn-1,...] [--lengths 600,2500,...]
+``python -m tests.gpu.fidelity_run --out DIR [--shapes holdout,drawn-1,CHECKPOINT_DIR,...] [--lengths 600,2500,...]
 [--runs upstream:eager,upstream:graphs,ours:eager] [--diagnose upstream]``
 
-For each shape: a random-weight checkpoint (``model.checkpoints``), transformers' float32 reference
+For each shape: a random-weight checkpoint (``model.checkpoints``; or a checkpoint directory of
+one's own, with its tokenizer), transformers' float32 reference
 and bfloat16 yardstick on the GPU (``tests.fidelity.measure``), then one engine per run in its own
 process (``QWEN4EXP_CUDA_MODEL``, CUDA graphs or eager, the 3090's paths forced with
 ``QWEN4EXP_FORCE_SM86=1``). ``--diagnose IMPL`` also runs IMPL in-process with forward hooks on
@@ -231,7 +232,9 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--shapes", default="holdout,drawn-1,drawn-8")
+    parser.add_argument(
+        "--shapes", default="holdout,drawn-1,drawn-8", help="presets, drawn-<seed> or checkpoint directories"
+    )
     parser.add_argument("--lengths", default="4,600,2500,6000,16000")
     parser.add_argument("--runs", default="upstream:eager,upstream:graphs,ours:eager")
     parser.add_argument(
@@ -246,9 +249,12 @@ def main() -> int:
     results: dict = {"lengths": lengths, "shapes": {}}
     for shape in args.shapes.split(","):
         t0 = time.time()
-        ckpt = out / "ckpt" / shape
-        if not (ckpt / "model.safetensors").exists():
-            make_checkpoint(shape, ckpt, seed=0, train_steps=0, device=DEVICE)
+        if Path(shape).is_dir():  # a checkpoint of one's own (config, weights and tokenizer)
+            ckpt, shape = Path(shape), Path(shape).name
+        else:
+            ckpt = out / "ckpt" / shape
+            if not (ckpt / "model.safetensors").exists():
+                make_checkpoint(shape, ckpt, seed=0, train_steps=0, device=DEVICE)
         prompts = measure.prompts_of_lengths(ckpt, lengths)
         ref32 = measure.transformers_token_logprobs(ckpt, prompts, torch.float32, DEVICE)
         ref16 = measure.transformers_token_logprobs(ckpt, prompts, torch.bfloat16, DEVICE)

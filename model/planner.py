@@ -712,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="JSON of bench/bench_real_shape.py: print a decode-speed estimate for RTX 3090s at this TP",
     )
-    p.add_argument("--allreduce-latency-us", type=float, help="--speed: seconds per PCIe all-reduce call, in us")
+    p.add_argument("--allreduce-latency-us", type=float, help="--speed: time per PCIe all-reduce call, us")
     p.add_argument("--allreduce-busbw-gbps", type=float, help="--speed: PCIe all-reduce bus bandwidth, GB/s")
     a = p.parse_args(argv)
     if a.speed and a.json:

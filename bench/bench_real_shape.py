@@ -1,0 +1,455 @@
+"""The real model's shape as one rank of TP=4 computes it, on one GPU: decode tok/s by batch, time
+to first token at long prompts, and how much of the GPU's memory bandwidth a batch-1 step uses.
+
+Run on a machine with vLLM's CUDA build, from the repository root:
+
+    PYTHONPATH=. python3 bench/bench_real_shape.py --json real_shape.json [--experts bf16,int4]
+
+Why one rank's shape: the real model serves at TP=4 on four RTX 3090s, none of which is at hand; one
+larger GPU can run exactly what one of those ranks computes (the ``real-rank`` preset of
+``model/checkpoints.py``: per-rank heads, a quarter of every expert's width, the vocabulary shard),
+and a batch-1 decode step of that shape reads the bytes a 3090 rank would read. ``python -m
+model.planner CONFIG --speed real_shape.json`` turns the JSON into a 4x3090 estimate
+(``model/planner_speed.py``).
+
+The checkpoint holds only config.json, a generation config and a tokenizer, in a temporary
+directory: vLLM draws the weights itself (``load_format="dummy"``), so no 30 GB of safetensors is
+written. ``output_gate_type`` is written as ``"silu"``, what transformers reads for the preset's
+null (``hidden_act``), so that vLLM's own model, which rejects null, runs the same model; our plugin
+writes the same value for it. ``--experts int4`` adds the compressed-tensors W4A16
+``quantization_config`` that ``python -m model.quantize --format w4a16 --scope experts`` writes
+(routed experts only, group 128): Marlin, vLLM's int4 MoE kernel on sm_86 and sm_90.
+
+Variants, one engine per variant and expert format, each in its own process:
+
+* ``served``: the product's CUDA path, vLLM's Qwen4-Exp through our plugin's subclasses
+  (``QWEN4EXP_CUDA_MODEL=upstream``, ``QWEN4EXP_FORCE_SM86=1`` for every choice a 3090 takes, Model
+  Runner V2, Triton GDN prefill, CUDA graphs);
+* ``upstream``: vLLM's own Qwen4-Exp with no plugin loaded (``VLLM_PLUGINS`` set to an empty name,
+  which matches no entry point), same engine arguments. Where it cannot start, its error is recorded.
+
+Throughput: ``batch`` requests of a 16-token prompt, ``--new-tokens`` each (``ignore_eos``,
+greedy, no detokenization: the dummy model's tokens are outside the small tokenizer), all submitted
+at once; tok/s = generated tokens / wall time, median of ``--repeats`` after one warm-up. TTFT: one
+request of a random ``--ttft``-token prompt with ``max_tokens=1``, wall time of the call, median of
+``--repeats`` after a warm-up. Prefix caching is off so that repeats do not hit the cache. Step =
+1 / tok/s at batch 1. HBM fraction = bytes a batch-1 step reads (the rank's weights without the
+embedding, experts only the top-k and the shared one, in the variant's format;
+``model.planner_speed.decode_bytes_per_step``) / step / ``--hbm-gbps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = ("served", "upstream")
+EXPERT_FORMATS = ("bf16", "int4")
+PLUGIN_ENTRY_POINT = "qwen4exp"  # pyproject.toml, [project.entry-points."vllm.general_plugins"]
+H200_HBM_GBPS = 4800.0  # NVIDIA H200: 4.8 TB/s HBM3e
+
+# Environment per variant. ``VLLM_PLUGINS`` is a comma-separated allow-list of entry-point names
+# (vllm/plugins/__init__.py); the empty name matches none, so no plugin is loaded.
+VARIANT_ENV: dict[str, dict[str, str]] = {
+    "served": {
+        "QWEN4EXP_CUDA_MODEL": "upstream",
+        "QWEN4EXP_FORCE_SM86": "1",
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+    },
+    "upstream": {"VLLM_PLUGINS": "", "VLLM_USE_V2_MODEL_RUNNER": "1"},
+}
+VARIANT_UNSET: dict[str, tuple[str, ...]] = {
+    "served": ("VLLM_PLUGINS",),
+    "upstream": ("QWEN4EXP_CUDA_MODEL", "QWEN4EXP_FORCE_SM86"),
+}
+# ``--cpu`` (a check of this script on vLLM's CPU build, not a measurement): ours serves there.
+CPU_ENV: dict[str, str] = {
+    "QWEN4EXP_CUDA_MODEL": "auto",
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# The checkpoint: config, generation config and tokenizer, no weights
+# ------------------------------------------------------------------------------------------------
+
+
+def expert_w4a16_config(config) -> dict[str, Any]:
+    """The ``quantization_config`` ``python -m model.quantize --format w4a16 --scope experts``
+    writes for this config, built with that module's own functions from one GDN and one QSA
+    layer's tensor names (its regex families cover every layer and expert)."""
+    from model.planner_quant import DEFAULT_GROUP
+    from model.quantize import Plan, ignored, quantization_config, targets
+
+    if config.moe_intermediate_size % DEFAULT_GROUP or config.hidden_size % DEFAULT_GROUP:
+        raise ValueError(
+            f"int4 group {DEFAULT_GROUP} does not divide hidden {config.hidden_size} / expert width "
+            f"{config.moe_intermediate_size}"
+        )
+    types = list(config.layer_types)
+    gdn, qsa = types.index("linear_attention"), types.index("indexed_attention")
+    mlp = [f"mlp.experts.0.{p}_proj.weight" for p in ("gate", "up", "down")]
+    mlp += [f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+    mlp += ["mlp.gate.weight", "mlp.shared_expert_gate.weight"]
+    gdn_names = [f"linear_attn.{p}.weight" for p in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")]
+    gdn_names += ["linear_attn.out_proj.weight"]
+    qsa_names = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + ["self_attn.indexer.index_qk_proj.weight"]
+    names = ["lm_head.weight", "model.embed_tokens.weight"]
+    names += [f"model.layers.{gdn}.{n}" for n in gdn_names + mlp]
+    names += [f"model.layers.{qsa}.{n}" for n in qsa_names + mlp]
+    plan = Plan("w4a16", "experts", DEFAULT_GROUP, "absmax")
+    mods = targets(names, "experts")
+    return quantization_config(plan, ignored(names, set(mods)), mods)
+
+
+def write_checkpoint(preset: str, out: Path, experts: str) -> Path:
+    """``out`` with config.json (the preset, ``experts`` format), generation config and tokenizer."""
+    from transformers import GenerationConfig, Qwen4ExpTextConfig
+
+    from model.checkpoints import build_tokenizer, preset_spec
+
+    out.mkdir(parents=True, exist_ok=True)
+    spec = preset_spec(preset)
+    if spec.get("output_gate_type") is None:
+        spec["output_gate_type"] = "silu"  # transformers' reading of null (hidden_act): same model
+    ids = build_tokenizer(spec["vocab_size"] - 12, out)
+    config = Qwen4ExpTextConfig(
+        **spec,
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    raw = config.to_dict()
+    raw["architectures"] = ["Qwen4ExpForCausalLM"]
+    raw["dtype"] = "bfloat16"
+    if experts == "int4":
+        raw["quantization_config"] = expert_w4a16_config(config)
+    elif experts != "bf16":
+        raise ValueError(f"unknown expert format {experts!r}; expected one of {EXPERT_FORMATS}")
+    (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]).save_pretrained(out)
+    return out
+
+
+def step_bytes(checkpoint: Path, experts: str) -> int:
+    """Bytes a batch-1 decode step reads at this checkpoint's shape (TP=1: it is one rank)."""
+    from model.planner import load_config, weights_per_rank
+    from model.planner_speed import decode_bytes_per_step
+
+    config = load_config(checkpoint)
+    return decode_bytes_per_step(config, 1, experts, weights_per_rank=weights_per_rank).total
+
+
+def child_env(variant: str, cpu: bool) -> tuple[dict[str, str], list[str]]:
+    """(variables to set, variables to remove) for one variant's engine process."""
+    env = dict(VARIANT_ENV[variant])
+    unset = list(VARIANT_UNSET[variant])
+    if cpu:
+        env.update(CPU_ENV)
+        if variant == "served":
+            env.pop("QWEN4EXP_FORCE_SM86", None)
+            unset.append("QWEN4EXP_FORCE_SM86")
+    return env, unset
+
+
+# ------------------------------------------------------------------------------------------------
+# One engine (child process)
+# ------------------------------------------------------------------------------------------------
+
+
+def effective_cudagraph_mode(worker) -> str:
+    """Run in each worker: the graph mode the engine core settled on (the front end keeps what
+    was asked for; a worker may lower it)."""
+    return str(worker.vllm_config.compilation_config.cudagraph_mode)
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    os.environ.update(spec["env"])
+    for k in spec["unset"]:
+        os.environ.pop(k, None)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    import random
+
+    from vllm import LLM, SamplingParams
+
+    graphs = spec["graphs"]
+    sizes = sorted(set([1, 2, 4, 8, 16, 32, 64] + spec["batches"]))
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        load_format="dummy",
+        dtype="bfloat16",
+        enforce_eager=not graphs,
+        enable_prefix_caching=False,
+        max_model_len=max(spec["ttft"]) + 64,
+        max_num_seqs=max(spec["batches"]),
+        gpu_memory_utilization=spec["gpu_memory_utilization"],
+        seed=0,
+        additional_config={"gdn_prefill_backend": "triton"},
+        **({"compilation_config": {"cudagraph_capture_sizes": sizes}} if graphs else {}),
+    )
+    config = llm.llm_engine.vllm_config
+    result: dict[str, Any] = {
+        "ok": True,
+        "start_s": time.perf_counter() - t0,
+        "tps": {},
+        "ttft_ms": {},
+        "cudagraph_mode": ",".join(sorted(set(llm.collective_rpc(effective_cudagraph_mode)))),
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "quantization": str(config.model_config.quantization),
+    }
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    rng = random.Random(0)
+    short = [rng.randrange(3, vocab) for _ in range(16)]
+    gen = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=True, detokenize=False)
+    for b in spec["batches"]:
+        prompts = [{"prompt_token_ids": short} for _ in range(b)]
+        llm.generate(prompts, gen, use_tqdm=False)  # warm-up
+        runs = []
+        for _ in range(spec["repeats"]):
+            t = time.perf_counter()
+            outs = llm.generate(prompts, gen, use_tqdm=False)
+            dt = time.perf_counter() - t
+            runs.append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+        result["tps"][str(b)] = statistics.median(runs)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    for n in spec["ttft"]:
+        prompt = {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]}
+        llm.generate([prompt], one, use_tqdm=False)  # warm-up (and compile for this shape)
+        runs = []
+        for _ in range(spec["repeats"]):
+            t = time.perf_counter()
+            llm.generate([prompt], one, use_tqdm=False)
+            runs.append((time.perf_counter() - t) * 1e3)
+        result["ttft_ms"][str(n)] = statistics.median(runs)
+    return result
+
+
+def run_child(spec: dict[str, Any], spec_path: Path, timeout_s: float) -> dict[str, Any]:
+    """Run one engine process; its result, or ``ok: false`` with the error it died of.
+
+    stderr is passed through live and its tail kept: an engine that cannot start usually says why
+    in the engine-core process's log, not in the exception the front end raises.
+    """
+    spec_path.write_text(json.dumps(spec))
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--child", str(spec_path)],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+    )
+    deadline = time.monotonic() + timeout_s
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        tail.append(line.rstrip())
+        if time.monotonic() > deadline:
+            proc.kill()
+            break
+    try:
+        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+    out = Path(spec["out"])
+    if out.exists():
+        result = json.loads(out.read_text())
+        if result.get("ok"):
+            return result
+    else:
+        result = {"ok": False}
+    errors = [t for t in tail if "Error" in t or "error:" in t.lower()]
+    result["error"] = result.get("error") or (errors[-1] if errors else f"engine process exited rc {rc}")
+    result["stderr_tail"] = list(tail)[-15:]
+    result["rc"] = rc
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# Table
+# ------------------------------------------------------------------------------------------------
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def render(report: dict[str, Any]) -> str:
+    """One markdown table (variant x experts) plus served/upstream ratio rows, with the command."""
+    batches = [str(b) for b in report["batches"]]
+    ttfts = [str(n) for n in report["ttft"]]
+    header = [
+        "variant",
+        "experts",
+        *[f"b{b} (tok/s)" for b in batches],
+        *[f"TTFT {int(n) / 1024:g}k (ms)" for n in ttfts],
+        "step b1 (ms)",
+        "bytes/step (GB)",
+        "HBM fraction",
+    ]
+    lines = [
+        f"`{report['command']}`",
+        "",
+        f"GPU: {report['gpu']}; bandwidth used for the HBM fraction: {report['hbm_gbps']:,.0f} GB/s; "
+        f"preset {report['preset']} (one rank of TP=4), dummy weights, {report['new_tokens']} new tokens "
+        f"per request, median of {report['repeats']}",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    by_key = {(r["variant"], r["experts"]): r for r in report["results"]}
+    for r in report["results"]:
+        head = f"| {r['variant']} | {r['experts']} | "
+        if not r.get("ok"):
+            err = str(r.get("error", "failed")).replace("|", "/")[:160]
+            lines.append(head + f"failed: {err} |" + " |" * (len(header) - 3))
+            continue
+        cells = [f"{r['tps'][b]:,.1f}" for b in batches] + [f"{r['ttft_ms'][n]:,.1f}" for n in ttfts]
+        step, frac = r.get("step_ms"), r.get("hbm_fraction")
+        cells += [
+            f"{step:.2f}" if step else "-",
+            f"{r['bytes_per_step'] / 1e9:.2f}",
+            f"{frac:.1%}" if frac else "-",
+        ]
+        lines.append(head + " | ".join(cells) + " |")
+    for experts in report["experts"]:
+        s, u = by_key.get(("served", experts)), by_key.get(("upstream", experts))
+        if not (s and u and s.get("ok") and u.get("ok")):
+            continue
+        cells = [_ratio(s["tps"][b], u["tps"][b]) for b in batches]
+        cells += [_ratio(s["ttft_ms"][n], u["ttft_ms"][n]) for n in ttfts]
+        cells += [
+            _ratio(s.get("step_ms"), u.get("step_ms")),
+            "",
+            _ratio(s.get("hbm_fraction"), u.get("hbm_fraction")),
+        ]
+        lines.append(f"| served / upstream | {experts} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def gpu_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {VARIANTS}")
+    p.add_argument("--experts", default="bf16", help=f"comma-separated expert formats, of {EXPERT_FORMATS}")
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--ttft", default="8192,32768", help="prompt lengths (tokens) for time to first token")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--hbm-gbps", type=float, default=H200_HBM_GBPS, help="the GPU's memory bandwidth (H200: 4800)"
+    )
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--child-timeout", type=float, default=1800.0, help="seconds per engine process")
+    p.add_argument("--json", help="write every number here (input of python -m model.planner --speed)")
+    p.add_argument("--keep-checkpoints", help=argparse.SUPPRESS)  # a directory to write them to instead
+    p.add_argument("--preset", default="real-rank", help=argparse.SUPPRESS)  # a smaller shape, for checks
+    p.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # vLLM's CPU build: ours, eager
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        spec = json.loads(Path(args.child).read_text())
+        try:
+            result = child(spec)
+        except Exception as exc:  # noqa: BLE001 - recorded for the table, then the process fails
+            Path(spec["out"]).write_text(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+            raise
+        Path(spec["out"]).write_text(json.dumps(result))
+        return 0
+
+    variants = [v for v in args.variants.split(",") if v]
+    experts = [e for e in args.experts.split(",") if e]
+    for v in variants:
+        if v not in VARIANTS:
+            p.error(f"unknown variant {v!r}; choose from {VARIANTS}")
+    for e in experts:
+        if e not in EXPERT_FORMATS:
+            p.error(f"unknown expert format {e!r}; choose from {EXPERT_FORMATS}")
+    batches = [int(x) for x in args.batches.split(",")]
+    ttft = [int(x) for x in args.ttft.split(",")]
+    report: dict[str, Any] = {
+        "command": "python3 bench/bench_real_shape.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "gpu": gpu_name(),
+        "hbm_gbps": args.hbm_gbps,
+        "preset": args.preset,
+        "tp_of_preset": 4,
+        "batches": batches,
+        "ttft": ttft,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "experts": experts,
+        "results": [],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(args.keep_checkpoints) if args.keep_checkpoints else Path(tmp)
+        for fmt in experts:
+            ckpt = write_checkpoint(args.preset, base / f"{args.preset}-{fmt}", fmt)
+            nbytes = step_bytes(ckpt, fmt)
+            for variant in variants:
+                env, unset = child_env(variant, args.cpu)
+                spec = {
+                    "variant": variant,
+                    "model": str(ckpt),
+                    "env": env,
+                    "unset": unset,
+                    "graphs": not args.cpu,
+                    "batches": batches,
+                    "ttft": ttft,
+                    "new_tokens": args.new_tokens,
+                    "repeats": args.repeats,
+                    "gpu_memory_utilization": args.gpu_memory_utilization,
+                    "out": str(Path(tmp) / f"{variant}-{fmt}.json"),
+                }
+                r = run_child(spec, Path(tmp) / f"{variant}-{fmt}_spec.json", args.child_timeout)
+                r.update(variant=variant, experts=fmt, bytes_per_step=nbytes, env=env)
+                if r.get("ok"):
+                    step = 1.0 / r["tps"]["1"] if r["tps"].get("1") else None
+                    r["step_ms"] = step * 1e3 if step else None
+                    r["hbm_fraction"] = nbytes / step / (args.hbm_gbps * 1e9) if step else None
+                else:
+                    print(f"{variant}/{fmt}: engine failed: {r['error']}", file=sys.stderr)
+                report["results"].append(r)
+
+    text = render(report)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "bench_real_shape.md").write_text(text + "\n")
+        Path(out, "bench_real_shape.json").write_text(json.dumps(report, indent=2) + "\n")
+    # Benches only measure: vLLM's own model failing to start is a finding, not a failure.
+    return 1 if any(not r.get("ok") and r["variant"] == "served" for r in report["results"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The decode-speed estimate's arithmetic, its planner hook, and the bench that feeds it.
+
+Why: the 4x RTX 3090 estimate scales a one-GPU measurement of the ``real-rank`` preset, which is
+only sound if that preset's bytes per step are what one rank of the full model at TP=4 reads, and
+if the estimate moves the right way with each assumption it takes as input.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import Qwen4ExpTextConfig
+
+from model.checkpoints import preset_spec
+from model.planner import load_config, weights_per_rank
+from model.planner_speed import (
+    decode_bytes_per_step,
+    estimate_rtx3090_tp4,
+    expected_distinct_experts,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+FULL = ROOT / "deploy" / "qwen4-exp-config.example.json"
+BENCH = ROOT / "bench" / "bench_real_shape.py"
+MEASURED = {
+    "gpu": "NVIDIA H200",
+    "hbm_gbps": 4800.0,
+    "results": [
+        {"variant": "upstream", "experts": "bf16", "ok": False, "error": "RuntimeError: x"},
+        {"variant": "served", "experts": "int4", "ok": True, "tps": {"1": 100.0, "16": 1000.0, "64": 2500.0}},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def full():
+    return load_config(FULL)
+
+
+@pytest.fixture(scope="module")
+def rank():
+    return Qwen4ExpTextConfig(**preset_spec("real-rank"), eos_token_id=1, tie_word_embeddings=False)
+
+
+def _bytes(config, tp, fmt="bf16", batch=1):
+    return decode_bytes_per_step(config, tp, fmt, weights_per_rank=weights_per_rank, batch=batch)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_real_rank_reads_what_one_rank_of_the_full_model_reads(full, rank, fmt):
+    at_tp4, one_rank = _bytes(full, 4, fmt), _bytes(rank, 1, fmt)
+    assert one_rank.parts == at_tp4.parts
+    assert one_rank.total == pytest.approx(at_tp4.total, rel=1e-9)
+
+
+def test_sharded_parts_quarter_replicated_parts_stay_experts_become_top_k(full):
+    tp1, tp4 = _bytes(full, 1), _bytes(full, 4)
+    for part in ("lm_head (vocab shard)", "GDN (linear attention)", "shared expert"):
+        assert tp4.parts[part] == pytest.approx(tp1.parts[part] / 4, rel=1e-3), part
+    for part in ("QSA indexer", "router + shared-expert gate", "hyper-connections"):
+        assert tp4.parts[part] == tp1.parts[part], part
+    # Two KV heads: replicated once TP exceeds them, so the attention part shrinks by less than 4x.
+    assert tp1.parts["QSA attention (q/k/v/o)"] / 4 < tp4.parts["QSA attention (q/k/v/o)"]
+    all_experts = next(p for p in weights_per_rank(full, 4, "bf16") if p.name.startswith("routed"))
+    k, e = full.num_experts_per_tok, full.num_experts
+    assert tp4.parts["routed experts (bf16)"] == pytest.approx(all_experts.bytes_per_rank * k / e, rel=1e-9)
+    assert tp4.experts_read == k
+    # The embedding is looked up, not read: half of "embed_tokens + lm_head".
+    both = next(p for p in weights_per_rank(full, 4, "bf16") if p.name.startswith("embed_tokens"))
+    assert tp4.parts["lm_head (vocab shard)"] == both.bytes_per_rank // 2
+
+
+def test_int4_experts_read_fewer_bytes_and_larger_batches_read_more_experts(full):
+    assert _bytes(full, 4, "int4").total < _bytes(full, 4, "bf16").total
+    assert expected_distinct_experts(512, 10, 1) == 10
+    assert 10 < expected_distinct_experts(512, 10, 16) < expected_distinct_experts(512, 10, 64) < 512
+    assert _bytes(full, 4, batch=16).total > _bytes(full, 4, batch=1).total
+
+
+def _tok_s(full, **kw):
+    est = estimate_rtx3090_tp4(MEASURED, full, weights_per_rank=weights_per_rank, **kw)
+    return {r.batch: r.tok_s for r in est.rows}
+
+
+def test_estimate_is_monotone_in_bandwidth_and_latency(full):
+    base = _tok_s(full)
+    assert sorted(base) == [1, 16, 64]
+    faster_mem = _tok_s(full, rtx3090_gbps=1500.0)
+    slower_link = _tok_s(full, busbw_gbps=2.0)
+    more_latency = _tok_s(full, latency_us=100.0)
+    no_latency = _tok_s(full, latency_us=0.0)
+    for b in base:
+        assert faster_mem[b] > base[b]
+        assert slower_link[b] < base[b]
+        assert more_latency[b] < base[b] < no_latency[b]
+        # Never faster than the measuring GPU, which has 5x the bandwidth and no collectives.
+        assert base[b] < MEASURED["results"][1]["tps"][str(b)]
+    est = estimate_rtx3090_tp4(MEASURED, full, weights_per_rank=weights_per_rank)
+    assert all(r.tok_s <= r.bound_tok_s for r in est.rows)
+
+
+def test_estimate_picks_the_served_row_and_refuses_a_measurement_where_nothing_ran(full):
+    est = estimate_rtx3090_tp4(MEASURED, full, weights_per_rank=weights_per_rank)
+    assert est.source == "served/int4" and est.expert_format == "int4"
+    assert any("936" in a for a in est.assumptions)
+    with pytest.raises(ValueError, match="no variant that ran"):
+        estimate_rtx3090_tp4({"results": [MEASURED["results"][0]]}, full, weights_per_rank=weights_per_rank)
+
+
+def test_planner_prints_the_estimate_beside_the_memory_table(tmp_path):
+    speed = tmp_path / "speed.json"
+    speed.write_text(json.dumps(MEASURED))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "model.planner",
+            str(FULL),
+            "--speed",
+            str(speed),
+            "--allreduce-latency-us",
+            "20",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "## Weights per GPU" in out
+    assert "Decode speed estimate: 4x RTX 3090, TP=4 (from served/int4 on NVIDIA H200)" in out
+    assert "20 us per call" in out
+    assert out.count("| 64 |") == 1
+
+
+def test_bench_help_runs_and_the_bench_imports_nothing_from_tests():
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--help"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert "--hbm-gbps" in out and "--json" in out
+    for node in ast.walk(ast.parse(BENCH.read_text())):
+        if isinstance(node, ast.Import):
+            assert not any(a.name.split(".")[0] == "tests" for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert (node.module or "").split(".")[0] != "tests"
+
+
+def test_bench_checkpoint_has_no_weights_and_int4_experts_only(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_real_shape", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    path = bench.write_checkpoint("real-rank", tmp_path / "int4", "int4")
+    assert not list(path.glob("*.safetensors"))
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    assert group["weights"]["num_bits"] == 4 and group["weights"]["group_size"] == 128
+    assert all("experts" in t for t in group["targets"])
+    assert "lm_head" in qc["ignore"]
+    at_rank = bench.step_bytes(path, "int4")
+    assert at_rank == _bytes(load_config(FULL), 4, "int4").total

@@ -308,7 +308,7 @@ def render(report: dict[str, Any]) -> str:
         f"`{report['command']}`",
         "",
         f"GPU: {report['gpu']}; bandwidth used for the HBM fraction: {report['hbm_gbps']:,.0f} GB/s; "
-        f"preset {report['preset']} (one rank of TP=4), dummy weights, {report['new_tokens']} new tokens "
+        f"preset {report['preset']}{' (one rank of TP=4)' if report['preset'] == 'real-rank' else ''}, dummy weights, {report['new_tokens']} new tokens "
         f"per request, median of {report['repeats']}",
         "",
         "| " + " | ".join(header) + " |",
@@ -318,7 +318,7 @@ def render(report: dict[str, Any]) -> str:
     for r in report["results"]:
         head = f"| {r['variant']} | {r['experts']} | "
         if not r.get("ok"):
-            err = str(r.get("error", "failed")).replace("|", "/")[:160]
+            err = " ".join(str(r.get("error", "failed")).split()).replace("|", "/")[:160]
             lines.append(head + f"failed: {err} |" + " |" * (len(header) - 3))
             continue
         cells = [f"{r['tps'][b]:,.1f}" for b in batches] + [f"{r['ttft_ms'][n]:,.1f}" for n in ttfts]

@@ -43,12 +43,19 @@ def compare(alone: Run, together: Run) -> Verdict:
     return Verdict(drift, k, below)
 
 
-def problems(verdicts: list[Verdict], max_differing: int) -> list[str]:
-    """Why these verdicts fail the parity criterion (empty: they pass)."""
+def problems(
+    verdicts: list[Verdict], max_differing: int, recompute_drift: list[float] | None = None
+) -> list[str]:
+    """Why these verdicts fail the parity criterion (empty: they pass). ``recompute_drift``: per
+    request, how far recomputing its lone run's tokens as one prefill (no preemption) moved their
+    logprobs in the same engine; each request's bound grows by that much."""
     out = []
     for i, v in enumerate(verdicts):
-        if v.drift >= DRIFT:
-            out.append(f"request {i}: logprobs drifted {v.drift:.3f} nats from its lone run")
+        bound = DRIFT + (recompute_drift[i] if recompute_drift else 0.0)
+        if v.drift >= bound:
+            out.append(
+                f"request {i}: logprobs drifted {v.drift:.3f} nats from its lone run (bound {bound:.3f})"
+            )
         if v.below_top >= NEAR_TIE:
             out.append(
                 f"request {i}: at token {v.first_difference} the batch chose a token {v.below_top:.3f} "

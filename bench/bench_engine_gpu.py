@@ -39,15 +39,53 @@ def effective_cudagraph_mode(worker) -> str:
     return str(worker.vllm_config.compilation_config.cudagraph_mode)
 
 
+def time_engine(
+    llm, batches: list[int], ttft: list[int], new_tokens: int, repeats: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Output tok/s by batch size and TTFT (ms) by prompt length, keyed by the number as text.
+
+    Throughput: ``batch`` requests of a 16-token prompt, each generating ``new_tokens`` tokens
+    (``ignore_eos``), submitted at once; generated tokens / wall time, median of ``repeats`` after
+    a warm-up. TTFT: one random prompt of ``n`` tokens with ``max_tokens=1``, wall time of the call,
+    median of ``repeats`` after a warm-up (which also compiles for the shape)."""
+    import random
+
+    from vllm import SamplingParams
+
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    rng = random.Random(0)
+    short = [rng.randrange(3, vocab) for _ in range(16)]
+    tps, ttft_ms = {}, {}
+    gen = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    for b in batches:
+        prompts = [{"prompt_token_ids": short} for _ in range(b)]
+        llm.generate(prompts, gen, use_tqdm=False)  # warm-up
+        runs = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            outs = llm.generate(prompts, gen, use_tqdm=False)
+            runs.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
+        tps[str(b)] = statistics.median(runs)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    for n in ttft:
+        prompt = {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]}
+        llm.generate([prompt], one, use_tqdm=False)
+        runs = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            llm.generate([prompt], one, use_tqdm=False)
+            runs.append((time.perf_counter() - t) * 1e3)
+        ttft_ms[str(n)] = statistics.median(runs)
+    return tps, ttft_ms
+
+
 def child(spec: dict) -> dict:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("QWEN4EXP_CUDA_MODEL", "ours")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-    import random
-
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     graphs = spec["mode"] == "graphs"
     sizes = sorted(set([1, 2, 4, 8, 16, 32, 64] + spec["batches"]))
@@ -64,32 +102,11 @@ def child(spec: dict) -> dict:
         additional_config={"gdn_prefill_backend": "triton"},
         **({"compilation_config": {"cudagraph_capture_sizes": sizes}} if graphs else {}),
     )
-    result: dict = {"start_s": time.perf_counter() - t0, "tps": {}, "ttft_ms": {}}
+    result: dict = {"start_s": time.perf_counter() - t0}
     result["cudagraph_mode"] = ",".join(sorted(set(llm.collective_rpc(effective_cudagraph_mode))))
-    vocab = llm.llm_engine.model_config.get_vocab_size()
-    rng = random.Random(0)
-    short = [rng.randrange(3, vocab) for _ in range(16)]
-    gen = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=True)
-    for b in spec["batches"]:
-        prompts = [{"prompt_token_ids": short} for _ in range(b)]
-        llm.generate(prompts, gen, use_tqdm=False)  # warm-up
-        runs = []
-        for _ in range(spec["repeats"]):
-            t = time.perf_counter()
-            outs = llm.generate(prompts, gen, use_tqdm=False)
-            dt = time.perf_counter() - t
-            runs.append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
-        result["tps"][b] = statistics.median(runs)
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    for n in spec["ttft"]:
-        prompt = {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]}
-        llm.generate([prompt], one, use_tqdm=False)  # warm-up (and compile for this shape)
-        runs = []
-        for _ in range(spec["repeats"]):
-            t = time.perf_counter()
-            llm.generate([prompt], one, use_tqdm=False)
-            runs.append((time.perf_counter() - t) * 1e3)
-        result["ttft_ms"][n] = statistics.median(runs)
+    result["tps"], result["ttft_ms"] = time_engine(
+        llm, spec["batches"], spec["ttft"], spec["new_tokens"], spec["repeats"]
+    )
     return result
 
 

@@ -45,7 +45,6 @@ import collections
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -116,22 +115,13 @@ def expert_w4a16_config(config) -> dict[str, Any]:
 
 def write_checkpoint(preset: str, out: Path, experts: str) -> Path:
     """``out`` with config.json (the preset, ``experts`` format), generation config and tokenizer."""
-    from transformers import GenerationConfig, Qwen4ExpTextConfig
-
-    from model.checkpoints import build_tokenizer, preset_spec
+    from model.checkpoints import preset_spec, text_config
 
     out.mkdir(parents=True, exist_ok=True)
     spec = preset_spec(preset)
     if spec.get("output_gate_type") is None:
         spec["output_gate_type"] = "silu"  # transformers' reading of null (hidden_act): same model
-    ids = build_tokenizer(spec["vocab_size"] - 12, out)
-    config = Qwen4ExpTextConfig(
-        **spec,
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
+    config, generation = text_config(spec, out)
     raw = config.to_dict()
     raw["architectures"] = ["Qwen4ExpForCausalLM"]
     raw["dtype"] = "bfloat16"
@@ -140,7 +130,7 @@ def write_checkpoint(preset: str, out: Path, experts: str) -> Path:
     elif experts != "bf16":
         raise ValueError(f"unknown expert format {experts!r}; expected one of {EXPERT_FORMATS}")
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-    GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]).save_pretrained(out)
+    generation.save_pretrained(out)
     return out
 
 
@@ -183,9 +173,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-    import random
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     graphs = spec["graphs"]
     sizes = sorted(set([1, 2, 4, 8, 16, 32, 64] + spec["batches"]))
@@ -207,36 +196,16 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {
         "ok": True,
         "start_s": time.perf_counter() - t0,
-        "tps": {},
-        "ttft_ms": {},
         "cudagraph_mode": ",".join(sorted(set(llm.collective_rpc(effective_cudagraph_mode)))),
         "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
         "quantization": str(config.model_config.quantization),
     }
-    vocab = llm.llm_engine.model_config.get_vocab_size()
-    rng = random.Random(0)
-    short = [rng.randrange(3, vocab) for _ in range(16)]
-    gen = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=True, detokenize=False)
-    for b in spec["batches"]:
-        prompts = [{"prompt_token_ids": short} for _ in range(b)]
-        llm.generate(prompts, gen, use_tqdm=False)  # warm-up
-        runs = []
-        for _ in range(spec["repeats"]):
-            t = time.perf_counter()
-            outs = llm.generate(prompts, gen, use_tqdm=False)
-            dt = time.perf_counter() - t
-            runs.append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
-        result["tps"][str(b)] = statistics.median(runs)
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
-    for n in spec["ttft"]:
-        prompt = {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(n)]}
-        llm.generate([prompt], one, use_tqdm=False)  # warm-up (and compile for this shape)
-        runs = []
-        for _ in range(spec["repeats"]):
-            t = time.perf_counter()
-            llm.generate([prompt], one, use_tqdm=False)
-            runs.append((time.perf_counter() - t) * 1e3)
-        result["ttft_ms"][str(n)] = statistics.median(runs)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench's timing loop
+    from bench_engine_gpu import time_engine
+
+    result["tps"], result["ttft_ms"] = time_engine(
+        llm, spec["batches"], spec["ttft"], spec["new_tokens"], spec["repeats"]
+    )
     return result
 
 

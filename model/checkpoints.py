@@ -393,28 +393,33 @@ def train_briefly(model, tokenizer, steps: int, seq_len: int, seed: int) -> list
 MAX_TRAIN_SEQ_LEN = 128
 
 
+def text_config(spec: dict, out: Path):
+    """The transformers config and generation config of a checkpoint of ``spec`` (preset fields)
+    in ``out``, whose tokenizer this writes there: the special tokens' ids come from it."""
+    from transformers import GenerationConfig, Qwen4ExpTextConfig
+
+    ids = build_tokenizer(spec["vocab_size"] - 12, out)
+    eos, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
+    config = Qwen4ExpTextConfig(
+        **spec, eos_token_id=eos, pad_token_id=pad, bos_token_id=None, tie_word_embeddings=False
+    )
+    return config, GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+
+
 def make_checkpoint(
     preset: str, out: str | Path, seed: int = 0, train_steps: int = 80, device: str = "cpu"
 ) -> Path:
     """Build, optionally train, and save ``preset``. ``device`` only decides where the random
     weights are drawn (a GPU makes a multi-billion-parameter timing checkpoint in seconds); the
     same seed gives other weights on another device, and training runs on the CPU only."""
-    from transformers import GenerationConfig, Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+    from transformers import Qwen4ExpForCausalLM
 
     if train_steps and device != "cpu":
         raise ValueError(f"--train-steps {train_steps} with --device {device}: training runs on the CPU only")
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    spec = preset_spec(preset)
-    ids = build_tokenizer(spec["vocab_size"] - 12, out)
-    config = Qwen4ExpTextConfig(
-        **spec,
-        eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"],
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
+    config, generation = text_config(preset_spec(preset), out)
     torch.manual_seed(seed)
     with torch.device(device):
         model = Qwen4ExpForCausalLM(config)
@@ -431,9 +436,7 @@ def make_checkpoint(
         )
         print(f"trained {train_steps} steps: loss {losses[0]:.2f} -> {sum(losses[-10:]) / 10:.2f}")
     model = model.to(torch.bfloat16)
-    model.generation_config = GenerationConfig(
-        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]
-    )
+    model.generation_config = generation
     model.save_pretrained(out)
     (out / "PRESET").write_text(
         json.dumps({"preset": preset, "seed": seed, "train_steps": train_steps, "device": device}) + "\n"

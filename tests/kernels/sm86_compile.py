@@ -1,4 +1,4 @@
-"""Compile upstream vLLM's Qwen4-Exp QSA Triton kernels for sm_86 and sm_90 without a GPU.
+"""Compile the served path's Triton kernels (vLLM's Qwen4-Exp QSA and others) for sm_86 and sm_90, no GPU.
 
 Upstream's kernels keep tiles of their operands in shared memory, so whether they launch on a card
 depends on the shapes and tiles: the indexer prefill kernel's query tile is TILE_R rows x every index
@@ -9,6 +9,10 @@ stages the launchers pass, and reads the compiled kernel's ``metadata.shared``; 
 runs ptxas on the PTX for registers and spills. Scalar arguments get the specialisation Triton gives
 them at launch (multiple of 16 -> divisibility hint, 1 -> constant), which changes the result.
 
+The Gated DeltaNet (FLA), fused-MoE and PLE kernels of the served path are compiled the same way
+with the arguments their own launchers pass, recorded by running the launchers on CPU tensors
+(:func:`captured`, :func:`served_extra`); an autotuned kernel gives one launch per config.
+
 ``tests/kernels/test_sm86_compile.py`` checks the product's choices with it. As a script it prints
 the whole study (every head count, both cache dtypes, both targets; the smallest tile change that
 fits where the launcher's tile does not): ``.venv/bin/python -m tests.kernels.sm86_compile``.
@@ -16,6 +20,7 @@ fits where the launcher's tile does not): ``.venv/bin/python -m tests.kernels.sm
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -60,6 +65,17 @@ def load_ops() -> dict[str, types.ModuleType]:
     stub.__path__ = [str(Path(vllm.__file__).parent / "triton_utils")]
     stub.__dict__.update(HAS_TRITON=True, triton=triton, tl=tl)
     sys.modules["vllm.triton_utils"] = stub
+    # The rest of the real package's names (FLA's ``op.py`` takes ``tldevice``; others gluon).
+    import triton.language.extra.libdevice as tldevice
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.language.core import _aggregate
+
+    stub.__dict__.update(tldevice=tldevice, gluon=gluon, gl=gl, aggregate=_aggregate)
+    stub.__dict__.update(LOG2E=1.4426950408889634, LOGE2=0.6931471805599453)
+    stub.use_tensor_descriptor = importlib.import_module(
+        "vllm.triton_utils.tensor_descriptor"
+    ).use_tensor_descriptor
     modules = {
         name: importlib.import_module(f"{OPS}.{name}") for name in ("qsa_indexer", "qsa", "qsa_prepare", "hc")
     }
@@ -82,6 +98,7 @@ class Launch:
     head_dim: int = INDEX_DIM
     tile: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    unaligned: frozenset[str] = frozenset()  # tensors whose address is not a multiple of 16 bytes
 
 
 def shared_bytes(launch: Launch, capability: int) -> int:
@@ -95,15 +112,19 @@ def compile_launch(launch: Launch, capability: int):
     constexprs = dict(launch.constexprs)
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-    for index, name in enumerate(fn.arg_names):
+    for index, (name, param) in enumerate(zip(fn.arg_names, fn.params, strict=True)):
         if name in constexprs:
             signature[name] = "constexpr"
             continue
         value = launch.args[name]
-        specialize = name not in fn.do_not_specialize
+        specialize = not param.do_not_specialize
+        align = not param.do_not_specialize_on_alignment
         if isinstance(value, str):  # a tensor: torch allocations are 16-byte aligned
             signature[name] = value
-            attrs[(index,)] = [["tt.divisibility", 16]]
+            if name not in launch.unaligned:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "u1"  # what Triton gives a bool at launch
         elif isinstance(value, float):
             signature[name] = "fp32"
         elif specialize and value == 1:  # Triton turns an integer 1 into a constant
@@ -111,7 +132,7 @@ def compile_launch(launch: Launch, capability: int):
             constexprs[name] = 1
         else:
             signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            if specialize and value % 16 == 0:
+            if specialize and align and value % 16 == 0:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn, signature, constexprs, attrs)
     options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
@@ -578,36 +599,566 @@ def product_launches(ops: dict[str, types.ModuleType]) -> Iterator[tuple[str, La
     yield from hc_launches(ops)
 
 
-def check_product() -> list[dict[str, Any]]:
-    """Compile :func:`product_launches` for sm_86: shared bytes, registers, spills, FP8 types."""
+# --- Gated DeltaNet, MoE and PLE kernels: arguments captured from upstream's own launchers --------
+#
+# These kernels take many tensors whose dtypes, strides and flags their Python launchers derive; the
+# launch is reproduced by running the launcher itself on CPU tensors (``meta`` ones for the expert
+# weights) with Triton's launch replaced by a recorder, so the compiled kernel sees what a 3090 run
+# would pass. What a launcher reads from the device is pinned to an RTX 3090 (82 SMs, 101,376 bytes
+# of shared memory per block, no PDL below sm_90, no tuned fused-MoE table for its name).
+
+GDN_KEY_HEADS, GDN_VALUE_HEADS, GDN_HEAD_DIM, GDN_CONV_WIDTH = 16, 32, 128, 4  # linear_* in the config
+MOE_EXPERTS, MOE_TOPK, MOE_INTERMEDIATE = 512, 10, 512  # num_experts, per token, moe_intermediate_size
+MOE_BATCHES = (1, 16, 64, 256, 2048)  # tokens in a step: the default config's tile depends on it
+RTX_3090_SMS = 82
+RTX_3090_MOE_NAME = "NVIDIA_GeForce_RTX_3090"  # vLLM's device name in its tuned-config file names
+PREFILL_TOKENS = 2048  # one sequence for the chunked GDN prefill: tiles do not depend on the length
+SHORT_PREFILL_TOKENS = 48  # below one FLA chunk: the recurrent kernels (model/vllm_adapter/upstream_gdn.py)
+DECODE_BATCH = 16
+TP_SIZES = (1, 2, 4)
+TORCH_TO_TRITON = {
+    "torch.bfloat16": "bf16",
+    "torch.float16": "fp16",
+    "torch.float32": "fp32",
+    "torch.int32": "i32",
+    "torch.int64": "i64",
+    "torch.uint8": "u8",
+    "torch.int8": "i8",
+    "torch.bool": "i1",
+}
+
+
+class Launched(Exception):
+    """Raised instead of a launch: the kernel, every argument the launcher passed (positional ones by
+    name, heuristics applied) and, for an ``@triton.autotune`` kernel, its list of configs."""
+
+    def __init__(self, fn: Any, args: dict[str, Any], configs: list[Any] | None) -> None:
+        super().__init__(getattr(fn, "__name__", str(fn)))
+        self.fn, self.values, self.configs = fn, args, configs
+
+
+def captured(call: Any, index: int = 0) -> Launched:
+    """Launch number ``index`` (from 0) that ``call()`` makes, recorded; none of them runs."""
+    from triton.runtime.autotuner import Autotuner, Heuristics
+    from triton.runtime.jit import JITFunction
+
+    seen = 0
+
+    def record(launched: Launched) -> None:
+        nonlocal seen
+        seen += 1
+        if seen > index:
+            raise launched
+
+    def jit_run(self, *args, **kwargs):
+        record(Launched(self, {**dict(zip(self.arg_names, args, strict=False)), **kwargs}, None))
+
+    def tuned_run(self, *args, **kwargs):
+        fn, values = self.fn, {**dict(zip(self.arg_names, args, strict=False)), **kwargs}
+        while isinstance(fn, Heuristics):  # heuristics below the autotuner (outside it they ran)
+            values |= {name: rule(values) for name, rule in fn.values.items()}
+            fn = fn.fn
+        record(Launched(fn, values, list(self.configs)))
+
+    saved = JITFunction.run, Autotuner.run
+    JITFunction.run, Autotuner.run = jit_run, tuned_run
+    try:
+        call()
+    except Launched as launched:
+        return launched
+    finally:
+        JITFunction.run, Autotuner.run = saved
+    raise AssertionError(f"{call} launched no Triton kernel")
+
+
+def tile_text(constexprs: dict[str, Any], warps: int, stages: int) -> str:
+    """The block sizes among ``constexprs`` (BK, BV, BLOCK_SIZE_M, ROWS_PER_BLOCK, ...) and warps/stages."""
     import re
 
-    ops = load_ops()
-    found = []
-    for name, launch in product_launches(ops):
-        compiled = compile_launch(launch, SM86)
-        report = ptxas_report(compiled, SM86)
-        spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
-        registers = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
-        text = compiled.asm["ttgir"] + compiled.asm["ptx"]
-        found.append(
-            dict(
-                kernel=name,
-                cache=launch.dtype,
-                tile=launch.tile,
-                shared=int(compiled.metadata.shared),
-                registers=max(registers, default=0),
-                spill_bytes=sum(spills),
-                fp8_types=sorted(set(re.findall(r"f8E4M3\w*|f8E5M2\w*|\.e4m3\w*|\.e5m2\w*", text))),
-            )
+    pattern = r"B[A-Z]{1,2}|BLOCK\w*|\w+_BLOCK\w*|GROUP_SIZE_M|NB"
+    tiles = [
+        f"{k}={v}"
+        for k, v in constexprs.items()
+        if re.fullmatch(pattern, k) and isinstance(v, int) and not isinstance(v, bool)
+    ]
+    return " ".join([*tiles, f"warps={warps}", f"stages={stages}"])
+
+
+def launches_of(launched: Launched, shape: str) -> list[Launch]:
+    """``Launch`` objects for a recorded launch: one, or one per autotune config (in list order)."""
+    import torch
+
+    fn, values = launched.fn, dict(launched.values)
+    options = {k: values.pop(k) for k in list(values) if k not in fn.arg_names}  # grid, warps, pdl...
+    args: dict[str, Any] = {}
+    constexprs: dict[str, Any] = {}
+    unaligned = set()
+    for param in fn.params:
+        value = values[param.name] if param.name in values else param.default
+        if param.name == "launch_pdl":  # a kernel parameter in some of upstream's kernels
+            value = False  # programmatic dependent launch needs sm_90
+        if param.is_constexpr or value is None:
+            constexprs[param.name] = value
+        elif isinstance(value, torch.Tensor):
+            args[param.name] = "*" + TORCH_TO_TRITON[str(value.dtype)]
+            if value.storage_offset() * value.element_size() % 16:
+                unaligned.add(param.name)
+        else:
+            args[param.name] = value
+    common = dict(dtype="bf16", heads=shape, head_dim=0, unaligned=frozenset(unaligned))
+    if launched.configs is None:
+        warps, stages = options.get("num_warps", 4), options.get("num_stages", 3)
+        return [
+            Launch(fn, args, constexprs, warps, stages, tile=tile_text(constexprs, warps, stages), **common)
+        ]
+    out = []
+    for config in launched.configs:
+        tuned = constexprs | config.kwargs
+        warps, stages = config.num_warps, config.num_stages
+        out.append(Launch(fn, args, tuned, warps, stages, tile=tile_text(tuned, warps, stages), **common))
+    return out
+
+
+@dataclass
+class Served:
+    """A kernel of the served path at one shape: its launch, or every config its autotuner tries."""
+
+    kernel: str
+    shape: str
+    launches: list[Launch]
+    tuned: bool = False  # an autotune list: one fitting config is enough on a 3090
+    skipped: str = ""  # why it is not compiled (then ``launches`` is empty)
+
+
+def triton_causal_conv1d() -> types.ModuleType:
+    """vLLM's ``causal_conv1d`` module as a CUDA platform loads it: on a CPU platform its last lines
+    rebind ``causal_conv1d_fn``/``_update`` to CPU versions, so a second copy of the file is loaded
+    with ``is_cpu`` answering False (the Triton launchers otherwise read nothing of the platform but
+    ``is_arch_support_pdl``, False below sm_90)."""
+    import importlib.util
+
+    from vllm.platforms import current_platform
+
+    name = "vllm.model_executor.layers.mamba.ops.causal_conv1d"
+    path = importlib.util.find_spec(name).origin
+    spec = importlib.util.spec_from_file_location(name + "_sm86_compile", path)
+    module = importlib.util.module_from_spec(spec)
+    saved = current_platform.is_cpu
+    current_platform.is_cpu = lambda: False
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        current_platform.is_cpu = saved
+    module.current_platform = types.SimpleNamespace(is_arch_support_pdl=lambda: False)
+    return module
+
+
+def gdn_served(tp: int, autotuned: bool = True) -> Iterator[Served]:
+    """The Triton kernels of vLLM's Gated DeltaNet layer (``qwen_gdn_linear_attn.py``) on the sm_86
+    path (``gdn_prefill_backend=triton``, packed recurrent decode on, no speculative decoding) at the
+    real per-rank head counts, plus the recurrent kernels our short prefills call. ``autotuned``:
+    include the ``@triton.autotune`` kernels (every config of their lists)."""
+    import torch
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    conv = triton_causal_conv1d()
+    from vllm.third_party.flash_linear_attention.ops import chunk, fused_recurrent, l2norm, layernorm_guard
+    from vllm.third_party.flash_linear_attention.ops import solve_tril as tril
+    from vllm.third_party.flash_linear_attention.ops.fused_gdn_prefill_post_conv import fused_post_conv_prep
+    from vllm.third_party.flash_linear_attention.ops.fused_sigmoid_gating import (
+        fused_sigmoid_gating_delta_rule_update,
+    )
+    from vllm.third_party.flash_linear_attention.ops.index import prepare_chunk_indices, prepare_chunk_offsets
+
+    H, HV, D = GDN_KEY_HEADS // tp, GDN_VALUE_HEADS // tp, GDN_HEAD_DIM
+    qkv, z_dim = (2 * H + HV) * D, HV * D
+    bf, f32, i32 = torch.bfloat16, torch.float32, torch.int32
+    heads = f"TP={tp}: {H} key / {HV} value heads of {D}"
+    slots = 64
+    ssm_state = torch.empty(slots, HV, D, D, dtype=bf)  # mamba_ssm_cache_dtype auto: the model's bf16
+    if mamba_utils.is_conv_state_dim_first():
+        conv_state = torch.empty(slots, qkv, GDN_CONV_WIDTH - 1, dtype=bf)
+    else:  # vLLM keeps (state_len, dim) and hands the kernels the transposed view
+        conv_state = torch.empty(slots, GDN_CONV_WIDTH - 1, qkv, dtype=bf).transpose(-1, -2)
+    conv_weight = torch.empty(qkv, GDN_CONV_WIDTH, dtype=bf)
+    A_log, dt_bias = torch.empty(HV, dtype=f32), torch.empty(HV, dtype=bf)
+
+    def step(tokens: int):
+        qkvz = torch.empty(tokens, qkv + z_dim, dtype=bf)  # in_proj output; mixed_qkv is its slice
+        return qkvz[:, :qkv], torch.empty(tokens, HV, dtype=bf), torch.empty(tokens, HV, dtype=bf)
+
+    def one(name: str, shape: str, call: Any) -> Served:
+        launched = captured(call)
+        tuned = launched.configs is not None
+        return Served(
+            name, shape, launches_of(launched, shape) if autotuned or not tuned else [], tuned=tuned
         )
-    return found
+
+    # Prefill: causal conv, post-conv prep, FLA's chunked delta rule.
+    T = PREFILL_TOKENS
+    mixed, a, b = step(T)
+    cu = torch.tensor([0, T], dtype=i32)
+    shape = f"{heads}; prefill {T} tokens"
+    yield one(
+        "gdn causal_conv1d_fn", shape,
+        lambda: conv.causal_conv1d_fn(
+            mixed.transpose(0, 1), conv_weight, None, conv_states=conv_state, query_start_loc=cu,
+            cache_indices=torch.ones(1, dtype=i32), has_initial_state=torch.zeros(1, dtype=torch.bool),
+            activation="silu",
+        ),
+    )  # fmt: skip
+    conv_out = torch.empty(T, qkv, dtype=bf)
+    yield one(
+        "gdn fused_post_conv_prep", shape,
+        lambda: fused_post_conv_prep(conv_out, a, b, A_log, dt_bias, H, D, D, apply_l2norm=True),
+    )  # fmt: skip
+    q, k = torch.empty(1, T, H, D, dtype=bf), torch.empty(1, T, H, D, dtype=bf)
+    v, g, beta = (
+        torch.empty(1, T, HV, D, dtype=bf),
+        torch.empty(1, T, HV, dtype=f32),
+        torch.empty(1, T, HV, dtype=f32),
+    )
+    BT = 64
+    chunks = prepare_chunk_indices(cu, BT)
+    offsets = prepare_chunk_offsets(cu, BT)
+    yield one(
+        "gdn chunk_local_cumsum",
+        shape,
+        lambda: chunk.chunk_local_cumsum(g, chunk_size=BT, cu_seqlens=cu, chunk_indices=chunks),
+    )
+    yield one(
+        "gdn chunk_scaled_dot_kkt", shape,
+        lambda: chunk.chunk_scaled_dot_kkt_fwd(k=k, beta=beta, g=g, cu_seqlens=cu, chunk_indices=chunks, output_dtype=f32),
+    )  # fmt: skip
+    A = torch.empty(1, T, HV, BT, dtype=f32)
+    yield one("gdn solve_tril", shape, lambda: tril.solve_tril.__wrapped__(A, cu, chunks, output_dtype=bf))
+    Ai = torch.empty(1, T, HV, BT, dtype=bf)
+    yield one(
+        "gdn recompute_w_u", shape,
+        lambda: chunk.recompute_w_u_fwd(k=k, v=v, beta=beta, A=Ai, g_cumsum=g, cu_seqlens=cu, chunk_indices=chunks),
+    )  # fmt: skip
+    w, u = torch.empty(1, T, HV, D, dtype=bf), torch.empty(1, T, HV, D, dtype=bf)
+    yield one(
+        "gdn chunk_gated_delta_rule_fwd_h", shape,
+        lambda: chunk.chunk_gated_delta_rule_fwd_h(
+            k=k, w=w, u=u, g=g, initial_state=ssm_state[:1], output_final_state=True, cu_seqlens=cu,
+            chunk_indices=chunks, chunk_offsets=offsets,
+        ),
+    )  # fmt: skip
+    h = torch.empty(1, len(chunks), HV, D, D, dtype=bf)
+    yield one(
+        "gdn chunk_fwd_o", shape,
+        lambda: chunk.chunk_fwd_o(q=q, k=k, v=u, h=h, g=g, scale=D**-0.5, cu_seqlens=cu, chunk_indices=chunks),
+    )  # fmt: skip
+    # Not launched on this path (upstream normalises in fused_post_conv_prep and passes
+    # use_qk_l2norm_in_kernel=False); FLA's chunked call would launch it with the flag set.
+    yield one("gdn l2norm (not launched)", shape, lambda: l2norm.l2norm_fwd(q))
+
+    # Short prefills (< one chunk) and decodes: the recurrent kernels.
+    S = SHORT_PREFILL_TOKENS
+    shape = f"{heads}; short prefill {S} tokens"
+    qs, ks = torch.empty(1, S, H, D, dtype=bf), torch.empty(1, S, H, D, dtype=bf)
+    vs, gs, bs = (
+        torch.empty(1, S, HV, D, dtype=bf),
+        torch.empty(1, S, HV, dtype=f32),
+        torch.empty(1, S, HV, dtype=f32),
+    )
+    yield one(
+        "gdn fused_recurrent_gated_delta_rule_fwd", shape,
+        lambda: fused_recurrent.fused_recurrent_gated_delta_rule_fwd(
+            qs, ks, vs, gs, bs, scale=D**-0.5, initial_state=torch.empty(2, HV, D, D, dtype=bf),
+            inplace_final_state=True, cu_seqlens=torch.tensor([0, S], dtype=i32),
+            ssm_state_indices=torch.ones(1, S, dtype=i32), num_accepted_tokens=None,
+            use_qk_l2norm_in_kernel=False,
+        ),
+    )  # fmt: skip
+    _, sa, sb = step(S)
+    yield one(
+        "gdn fused_sigmoid_gating_delta_rule_update", shape,
+        lambda: fused_sigmoid_gating_delta_rule_update(
+            A_log=A_log, a=sa, b=sb, dt_bias=dt_bias, q=qs, k=ks, v=vs, initial_state=ssm_state,
+            inplace_final_state=True, cu_seqlens=torch.tensor([0, S], dtype=i32),
+            ssm_state_indices=torch.ones(1, S, dtype=i32), use_qk_l2norm_in_kernel=True,
+        ),
+    )  # fmt: skip
+    B = DECODE_BATCH
+    shape = f"{heads}; decode batch {B}"
+    dmixed, da, db = step(B)
+    yield one(
+        "gdn causal_conv1d_update", shape,
+        lambda: conv.causal_conv1d_update(
+            dmixed, conv_state, conv_weight, None, "silu", conv_state_indices=torch.arange(B, dtype=i32),
+        ),
+    )  # fmt: skip
+    core = torch.empty(B, HV, D, dtype=bf)
+    yield one(
+        "gdn fused_recurrent_packed_decode", shape,
+        lambda: fused_recurrent.fused_recurrent_gated_delta_rule_packed_decode(
+            mixed_qkv=torch.empty(B, qkv, dtype=bf), a=da, b=db, A_log=A_log, dt_bias=dt_bias,
+            scale=D**-0.5, initial_state=ssm_state, out=core.unsqueeze(1),
+            ssm_state_indices=torch.arange(B, dtype=i32), use_qk_l2norm_in_kernel=True,
+        ),
+    )  # fmt: skip
+    # Mixed decode + prefill steps run the decodes through the gating kernel (decode shape).
+    dq, dk = torch.empty(1, B, H, D, dtype=bf), torch.empty(1, B, H, D, dtype=bf)
+    yield one(
+        "gdn fused_sigmoid_gating_delta_rule_update", shape,
+        lambda: fused_sigmoid_gating_delta_rule_update(
+            A_log=A_log, a=da, b=db, dt_bias=dt_bias, q=dq, k=dk, v=torch.empty(1, B, HV, D, dtype=bf),
+            initial_state=ssm_state, inplace_final_state=True, cu_seqlens=torch.arange(B + 1, dtype=i32),
+            ssm_state_indices=torch.arange(B, dtype=i32), use_qk_l2norm_in_kernel=True,
+        ),
+    )  # fmt: skip
+
+    # Output norm: RMSNormGated (norm before a silu gate, per value head of 128). Rows per program
+    # depend on the row count (tokens x value heads) and the SM count: 1 at a decode, 4 at a prefill.
+    weight = torch.empty(D, dtype=bf)
+    saved = layernorm_guard.num_compute_units
+    layernorm_guard.num_compute_units = lambda index=None: RTX_3090_SMS
+    try:
+        for tokens in (DECODE_BATCH, PREFILL_TOKENS):
+            x, z = torch.empty(tokens, HV, D, dtype=bf), torch.empty(tokens, HV, D, dtype=bf)
+            yield one(
+                "gdn gated RMSNorm (layer_norm_fwd_kernel)", f"{heads}; {tokens} tokens",
+                lambda x=x, z=z: layernorm_guard.rmsnorm_fn(
+                    x, weight, None, z=z, eps=1e-6, group_size=None, norm_before_gate=True, activation="silu"
+                ),
+            )  # fmt: skip
+    finally:
+        layernorm_guard.num_compute_units = saved
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--product"]:
+def moe_config_on_3090(tp: int, tokens: int) -> dict[str, int]:
+    """The fused-MoE config vLLM picks for bf16 experts on an RTX 3090: it looks for a tuned table
+    named after the device (none ships for ``NVIDIA_GeForce_RTX_3090``) and else takes
+    ``get_default_config``; reproduced by naming the device so and asking ``try_get_optimal_moe_config``."""
+    from vllm.model_executor.layers.fused_moe import fused_moe
+
+    n = MOE_INTERMEDIATE // tp
+    saved = fused_moe.get_device_name_as_file_name
+    fused_moe.get_device_name_as_file_name = lambda: RTX_3090_MOE_NAME
+    fused_moe.get_moe_configs.cache_clear()
+    try:
+        w1, w2 = (MOE_EXPERTS, 2 * n, HIDDEN), (MOE_EXPERTS, HIDDEN, n)
+        name = fused_moe.get_config_file_name(MOE_EXPERTS, n, None)
+        assert RTX_3090_MOE_NAME in name and fused_moe.get_moe_configs(MOE_EXPERTS, n, None) is None, name
+        return fused_moe.try_get_optimal_moe_config(w1, w2, MOE_TOPK, None, tokens)
+    finally:
+        fused_moe.get_device_name_as_file_name = saved
+        fused_moe.get_moe_configs.cache_clear()
+
+
+def moe_served(tp: int) -> Iterator[Served]:
+    """vLLM's Triton ``fused_moe_kernel`` for bf16 experts (both GEMMs of ``fused_experts_impl``) at
+    the real per-rank shapes, with the config a 3090 gets at each batch size."""
+    import torch
+    from triton import language as tlang
+    from vllm.model_executor.layers.fused_moe import fused_moe
+
+    n = MOE_INTERMEDIATE // tp
+    bf, i32 = torch.bfloat16, torch.int32
+    w1 = torch.empty(MOE_EXPERTS, 2 * n, HIDDEN, dtype=bf, device="meta")
+    w2 = torch.empty(MOE_EXPERTS, HIDDEN, n, dtype=bf, device="meta")
+    for tokens in MOE_BATCHES:
+        config = moe_config_on_3090(tp, tokens)
+        padded = tokens * MOE_TOPK + MOE_EXPERTS * (config["BLOCK_SIZE_M"] - 1)
+        sorted_ids = torch.empty(padded, dtype=i32, device="meta")
+        expert_ids = torch.empty(triton.cdiv(padded, config["BLOCK_SIZE_M"]), dtype=i32, device="meta")
+        post_padded = torch.empty(1, dtype=i32, device="meta")
+        weights = torch.empty(tokens, MOE_TOPK, dtype=torch.float32, device="meta")
+        cache1 = torch.empty(tokens, MOE_TOPK, 2 * n, dtype=bf, device="meta")
+        cache3 = torch.empty(tokens, MOE_TOPK, HIDDEN, dtype=bf, device="meta")
+        for gemm, a, w, c, routed, top_k in (
+            ("w13", torch.empty(tokens, HIDDEN, dtype=bf, device="meta"), w1, cache1, False, MOE_TOPK),
+            ("w2", torch.empty(tokens * MOE_TOPK, n, dtype=bf, device="meta"), w2, cache3, True, 1),
+        ):
+            shape = f"TP={tp}: {MOE_EXPERTS} experts, {gemm} {tuple(w.shape[1:])}, {tokens} tokens"
+            launched = captured(
+                functools.partial(
+                    fused_moe.invoke_fused_moe_triton_kernel,
+                    a, w, c, None, None, weights, sorted_ids, expert_ids, post_padded, routed, top_k,
+                    dict(config), tlang.bfloat16, False, False, False, False, False,
+                )  # A, B, C, scales, routing, flags fp8/int8/w8a16/w4a16/per-channel all off
+            )  # fmt: skip
+            yield Served(f"fused_moe_kernel {gemm}", shape, launches_of(launched, shape))
+
+
+PLE_CHANNELS = HC_COUNT * HIDDEN  # the PLE layer's gate and short convolution run on 4 x 2048
+PLE_CONV_KERNEL, PLE_DILATION = 4, 3  # ple_conv_kernel_size; ngram_size is the dilation
+PLE_ROW_DIM = 128  # one table row: ple_embed_dim 2048 over (ngram_size - 1) x heads_per_ngram = 16
+
+
+def ple_served() -> Iterator[Served]:
+    """Upstream's PLE Triton kernels (``vllm/models/qwen4_exp/common/ops/ple.py``: n-gram ids, gate,
+    dilated short conv at a decode and a prefill with its state write-back; the pinned-table row copy
+    of ``common/ngram_embedding.py``) and our PLE gather (``model/kernels/ple_gather.py``, bf16, FP8
+    and NVFP4 rows dequantised to bf16). None of them depends on the TP size (PLE is replicated)."""
+    from vllm.models.qwen4_exp.common import ngram_embedding
+    from vllm.models.qwen4_exp.common.ops import ple
+
+    from model.kernels import ple_gather as ours
+
+    platform = ple.current_platform
+    ple.current_platform = types.SimpleNamespace(is_arch_support_pdl=lambda: False)  # sm_86: no PDL
+    try:
+        yield from _ple_launches(ple, ngram_embedding, ours)
+    finally:
+        ple.current_platform = platform
+
+
+def _ple_launches(ple: Any, ngram_embedding: Any, ours: Any) -> Iterator[Served]:
+    import torch
+
+    bf, i32, i64 = torch.bfloat16, torch.int32, torch.int64
+    T, reqs, heads_per_ngram, context = PREFILL_TOKENS, 4, 8, 2
+
+    def one(name: str, shape: str, call: Any, index: int = 0) -> Served:
+        return Served(name, shape, launches_of(captured(call, index), shape))
+
+    yield one(
+        "ple ngram ids", f"{T} tokens, {context} x {heads_per_ngram} n-gram heads",
+        lambda: ple.ple_ngram_ids(
+            torch.empty(T, dtype=i32), torch.tensor([0, 1, 2, 3, T], dtype=i32),
+            torch.empty(reqs, context, dtype=i32), torch.empty(context * heads_per_ngram, dtype=i64),
+            torch.empty(context * heads_per_ngram, dtype=i64), torch.empty(context * heads_per_ngram, dtype=i64),
+            eos_token_id=0, heads_per_ngram=heads_per_ngram,
+        ),
+    )  # fmt: skip
+    kv = torch.empty(T, PLE_CHANNELS + HIDDEN, dtype=bf)  # kv_proj output: [key (4 x 2048), value]
+    norm = torch.empty(PLE_CHANNELS, dtype=bf)
+    yield one(
+        "ple gate", f"{T} tokens, {HC_COUNT} x {HIDDEN}",
+        lambda: ple._ple_gate(
+            kv[:, :PLE_CHANNELS], kv[:, PLE_CHANNELS:], torch.empty(T, PLE_CHANNELS, dtype=bf), norm, norm, norm,
+            1e-6,
+        ),
+    )  # fmt: skip
+    state_len = (PLE_CONV_KERNEL - 1) * PLE_DILATION
+    state = torch.empty(64, PLE_CHANNELS, state_len, dtype=bf)
+    weights = torch.empty(PLE_CHANNELS, PLE_CONV_KERNEL, dtype=bf)
+    for mode, tokens in (("decode", DECODE_BATCH), ("prefill", T)):
+        x, residual = torch.empty(tokens, PLE_CHANNELS, dtype=bf), torch.empty(tokens, PLE_CHANNELS, dtype=bf)
+        nreq = tokens if mode == "decode" else reqs
+        extra = {} if mode == "decode" else {"query_start_loc": torch.tensor([0, 1, 2, 3, T], dtype=i32)}
+
+        def conv(x=x, residual=residual, nreq=nreq, mode=mode, extra=extra):
+            ple.ple_conv(
+                x, residual, state, weights, torch.arange(nreq, dtype=i32), torch.empty_like(residual),
+                mode=mode, dilation=PLE_DILATION, has_initial_states=torch.ones(nreq, dtype=torch.bool), **extra,
+            )  # fmt: skip
+
+        shape = f"{mode} {tokens} tokens, {PLE_CHANNELS} channels, kernel {PLE_CONV_KERNEL} dilation {PLE_DILATION}"
+        yield one(f"ple conv ({mode})", shape, conv)
+        if mode == "prefill":
+            yield one("ple conv state write-back", shape, conv, index=1)
+    row_bytes = PLE_ROW_DIM * 2  # bf16 rows; our FP8/NVFP4 rows are narrower
+    yield Served(
+        "ple pinned row copy",
+        f"{T * context * heads_per_ngram} rows of {row_bytes} bytes",
+        launches_of(
+            Launched(
+                ngram_embedding._lookup_ple_embedding_from_pinned_kernel,
+                dict(weight_ptr=torch.empty(1, dtype=torch.uint8), ids_ptr=torch.empty(1, dtype=i64),
+                     output_ptr=torch.empty(1, dtype=torch.uint8), row_bytes=row_bytes, tp_vocab_start=0,
+                     tp_vocab_end=2**31 - 1, BLOCK_D=triton.next_power_of_2(row_bytes)),
+                None,
+            ),
+            f"{row_bytes}-byte rows",
+        ),
+    )  # fmt: skip
+    saved = ours._KERNEL_INTERPRETED
+    ours._KERNEL_INTERPRETED = True  # lets the launcher take CPU tensors; the kernel stays compiled
+    try:
+        n = T * context * heads_per_ngram
+        for fmt, width in (("bf16", PLE_ROW_DIM), ("fp8_e4m3", PLE_ROW_DIM), ("nvfp4", PLE_ROW_DIM // 2)):
+            dtype = bf if fmt == "bf16" else torch.uint8
+            data = torch.empty(1024, width, dtype=dtype)
+            scales = torch.empty(1024, PLE_ROW_DIM // 16, dtype=torch.uint8) if fmt == "nvfp4" else None
+            out = torch.empty(n, PLE_ROW_DIM, dtype=bf)
+            yield one(
+                f"our ple_gather ({fmt})", f"{n} rows of {PLE_ROW_DIM}",
+                lambda data=data, scales=scales, out=out, fmt=fmt: ours.ple_gather(
+                    fmt, data, torch.empty(n, dtype=i64), 0, out, block_scales=scales
+                ),
+            )  # fmt: skip
+    finally:
+        ours._KERNEL_INTERPRETED = saved
+
+
+# The FLA autotune lists are compiled at one TP size: the head counts only enter index arithmetic
+# and grids, and all three sizes gave the same bytes, registers and spills for every config
+# (``python -m tests.kernels.sm86_compile --product --all-tp`` compiles them at each).
+TUNED_TP = 4
+
+
+def served_extra(all_tp: bool = False) -> Iterator[Served]:
+    """Every GDN, MoE and PLE kernel of :func:`gdn_served`, :func:`moe_served` and :func:`ple_served`."""
+    for tp in TP_SIZES:
+        yield from (s for s in gdn_served(tp, autotuned=all_tp or tp == TUNED_TP) if s.launches)
+    for tp in TP_SIZES:
+        yield from moe_served(tp)
+    yield Served(
+        "int4 experts (Marlin)", "-", [], skipped="CUDA C++ (Marlin), not Triton: nothing to compile"
+    )
+    yield from ple_served()
+
+
+def measure_sm86(launch: Launch) -> dict[str, Any]:
+    """``launch`` compiled for sm_86: shared bytes, registers, spill bytes (ptxas) and FP8 types."""
+    import re
+
+    compiled = compile_launch(launch, SM86)
+    report = ptxas_report(compiled, SM86)
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    registers = [int(n) for n in re.findall(r"Used (\d+) registers", report)]
+    text = compiled.asm["ttgir"] + compiled.asm["ptx"]
+    return dict(
+        shared=int(compiled.metadata.shared),
+        registers=max(registers, default=0),
+        spill_bytes=sum(spills),
+        fp8_types=sorted(set(re.findall(r"f8E4M3\w*|f8E5M2\w*|\.e4m3\w*|\.e5m2\w*", text))),
+    )
+
+
+_ITEMS: list[tuple[str, str, str, Launch | None, bool, str]] = []  # read by the forked workers
+
+
+def _measure_item(index: int) -> dict[str, Any]:
+    kernel, cache, shape, launch, tuned, skipped = _ITEMS[index]
+    row: dict[str, Any] = dict(kernel=kernel, cache=cache, shape=shape, autotune=tuned, skipped=skipped)
+    if launch is None:
+        return row | dict(tile="-", shared=0, registers=0, spill_bytes=0, fp8_types=[], fits=None)
+    row |= dict(tile=launch.tile) | measure_sm86(launch)
+    row["fits"] = row["shared"] <= SM86_LIMIT and row["spill_bytes"] == 0
+    return row
+
+
+def check_product(workers: int | None = None, all_tp: bool = False) -> list[dict[str, Any]]:
+    """Compile :func:`product_launches` and :func:`served_extra` for sm_86 (one row per launch, per
+    autotune config for a tuned kernel, per skipped kernel with its reason), in ``workers`` forked
+    processes (default: one per CPU; compiling is single-threaded)."""
+    import multiprocessing
+
+    ops = load_ops()
+    _ITEMS.clear()
+    for name, launch in product_launches(ops):
+        _ITEMS.append((name, launch.dtype, f"heads {launch.heads} x {launch.head_dim}", launch, False, ""))
+    for served in served_extra(all_tp):
+        if served.skipped:
+            _ITEMS.append((served.kernel, "-", served.shape, None, False, served.skipped))
+        for launch in served.launches:
+            _ITEMS.append((served.kernel, "bf16", served.shape, launch, served.tuned, ""))
+    workers = workers or os.cpu_count() or 1
+    if workers == 1:
+        return [_measure_item(i) for i in range(len(_ITEMS))]
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        return pool.map(_measure_item, range(len(_ITEMS)), chunksize=1)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--product"]:
     import json
 
-    print(json.dumps(check_product()))
+    print(json.dumps(check_product(all_tp="--all-tp" in sys.argv[2:])))
     sys.exit(0)
 
 

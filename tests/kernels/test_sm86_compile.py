@@ -1,10 +1,14 @@
-"""Every QSA and hyper-connection Triton kernel the served path launches on an RTX 3090, compiled
-for sm_86 (no GPU).
+"""Every Triton kernel the served path launches on an RTX 3090, compiled for sm_86 (no GPU): QSA,
+hyper-connections, Gated DeltaNet (vLLM's FLA port, causal conv, gated RMSNorm), the fused-MoE
+kernel for bf16 experts and the PLE kernels.
 
 At the real model's shapes per rank for TP 1, 2 and 4 and with the tiles the product picks there
-(``tests.kernels.sm86_compile.product_launches``): shared memory within the 3090's 101,376 bytes
-per block, no register spills reported by ptxas, and no float8 type in any kernel (sm_86 has no
-FP8 instructions; the FP8 cache is read by bit manipulation). Runs in a child process because the
+(``tests.kernels.sm86_compile.product_launches`` and ``served_extra``): shared memory within the
+3090's 101,376 bytes per block, no register spills reported by ptxas, and no float8 type in any
+kernel (sm_86 has no FP8 instructions; the FP8 cache is read by bit manipulation). An
+``@triton.autotune`` kernel passes when at least one config of its list fits (the autotuner on a
+3090 drops configs that raise OutOfResources); the others are printed, not failed. A kernel that is
+not Triton is listed with the reason it is not compiled. Runs in a child process because the
 compiler needs vLLM's ``triton_utils`` to hand out the real Triton. Prints the table.
 """
 
@@ -46,11 +50,23 @@ def test_served_kernels_fit_an_rtx_3090():
     )
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
-    print("\n| kernel | cache | tile | shared bytes | registers | spill bytes | FP8 types |")
+    print(
+        "\n| kernel | shape | cache | tile / config | shared bytes | registers | spill bytes | FP8 types | note |"
+    )
     for r in rows:
-        print(
-            f"| {r['kernel']} | {r['cache']} | {r['tile']} | {r['shared']} | {r['registers']} | {r['spill_bytes']} | {r['fp8_types']} |"
+        note = r["skipped"] or (
+            ("autotune: fits" if r["fits"] else "autotune: does not fit") if r["autotune"] else ""
         )
+        cells = (
+            r["kernel"],
+            r["shape"],
+            r["cache"],
+            r["tile"],
+            r["shared"],
+            r["registers"],
+            r["spill_bytes"],
+        )
+        print("| " + " | ".join(str(c) for c in (*cells, r["fp8_types"], note)) + " |")
     kernels = {r["kernel"].split(" TP=")[0] for r in rows}
     assert {
         "indexer prefill",
@@ -59,8 +75,26 @@ def test_served_kernels_fit_an_rtx_3090():
         "our reader",
         "_qsa_prepare_kernel",
         "hc combine+norm",
+        "gdn causal_conv1d_fn",
+        "gdn chunk_gated_delta_rule_fwd_h",
+        "gdn chunk_fwd_o",
+        "gdn fused_recurrent_packed_decode",
+        "gdn gated RMSNorm (layer_norm_fwd_kernel)",
+        "fused_moe_kernel w13",
+        "fused_moe_kernel w2",
+        "ple conv (prefill)",
+        "our ple_gather (nvfp4)",
     } <= kernels
+    tuned: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
-        assert r["shared"] <= 101376, r
-        assert r["spill_bytes"] == KNOWN_UPSTREAM_SPILLS.get((r["kernel"], r["tile"]), 0), r
         assert r["fp8_types"] == [], r
+        if r["skipped"]:
+            assert r["tile"] == "-", r
+        elif r["autotune"]:
+            tuned.setdefault((r["kernel"], r["shape"]), []).append(r)
+        else:
+            assert r["shared"] <= 101376, r
+            assert r["spill_bytes"] == KNOWN_UPSTREAM_SPILLS.get((r["kernel"], r["tile"]), 0), r
+    assert tuned, "no autotuned kernel was compiled"
+    for (kernel, shape), configs in tuned.items():
+        assert any(r["fits"] for r in configs), (kernel, shape, configs)

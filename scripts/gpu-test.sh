@@ -53,7 +53,7 @@ want preemption && stream preemption tests/gpu/test_preemption_cuda.py &
 want real_shape && stream real_shape tests/gpu/test_real_shape_cuda.py &
 wait
 if [ "$bench" = 1 ]; then
-  for b in bench/gpu_qsa_kernels.py bench/gpu_ple_gather.py bench/bench_engine_gpu.py; do
+  for b in bench/gpu_qsa_kernels.py bench/gpu_ple_gather.py bench/bench_engine_gpu.py bench/bench_real_shape.py; do
     [ -f "$b" ] && python3 "$b" > "$logs/bench-$(basename "$b" .py).log" 2>&1
     echo "bench $b rc=$?" >> "$logs/summary.txt"
   done

@@ -457,6 +457,7 @@ class Plan:
     memory_request_gib: int
     notes: list[str] = field(default_factory=list)
     expert_format: str = ""  # routed-expert format planned, and whether the checkpoint stores it
+    expert_name: str = "bf16"  # that format's name (bf16 | fp8 | int4), for the speed estimate
 
 
 def make_plan(config_path: str | Path, machine: Machine, options: Options) -> Plan:
@@ -546,6 +547,7 @@ def make_plan(config_path: str | Path, machine: Machine, options: Options) -> Pl
         memory_request_gib=request,
         notes=notes,
         expert_format=f"{expert.label()} ({'checkpoint' if expert == stored else 'planned'})",
+        expert_name=expert.name,
     )
 
 
@@ -755,7 +757,7 @@ def _print_speed(a: argparse.Namespace, plan: Plan) -> int:
             measured,
             load_config(a.config),
             weights_per_rank=weights_per_rank,
-            expert_format=plan.expert_format.split(",")[0].split(" ")[0],
+            expert_format=plan.expert_name,
             tp=plan.tp,
             latency_us=a.allreduce_latency_us or planner_speed.ALLREDUCE_LATENCY_US,
             busbw_gbps=a.allreduce_busbw_gbps or planner_speed.ALLREDUCE_BUSBW_GBPS,

@@ -71,7 +71,7 @@ class Service:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"{name}.log"
         self.started = time.monotonic()
-        path = Path(checkpoint) if Path(str(checkpoint)).is_absolute() else ensure_checkpoint(str(checkpoint))
+        path = checkpoint if isinstance(checkpoint, Path) else ensure_checkpoint(checkpoint)
         self.model = path.name
         full = {
             k: v

@@ -17,6 +17,7 @@ test_fidelity_cuda.py`` asserts on them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -158,7 +159,8 @@ def _hook_model(model: torch.nn.Module, tokens: int, engine: bool) -> None:
             )
 
 
-def _reference_sublayers(path: Path, ids: list[int], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+@functools.lru_cache(maxsize=2)  # float32 and bfloat16 of one shape, shared by every diagnosed engine
+def _reference_sublayers(path: Path, ids: tuple[int, ...], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from transformers import Qwen4ExpForCausalLM
 
     _CAPTURED.clear()
@@ -198,8 +200,8 @@ def diagnose(path: Path, impl: str, ids: list[int], workdir: Path) -> list[dict]
     if not out.exists():
         return [{"error": f"diagnosis engine exited with {proc.exitcode}"}]
     engine = torch.load(out)
-    ref32 = _reference_sublayers(path, ids, torch.float32)
-    ref16 = _reference_sublayers(path, ids, torch.bfloat16)
+    ref32 = _reference_sublayers(path, tuple(ids), torch.float32)
+    ref16 = _reference_sublayers(path, tuple(ids), torch.bfloat16)
 
     def order(name: str) -> tuple[int, int]:
         layer, kind = name.split(".")[1:3]

@@ -5,8 +5,8 @@ Run on a machine with vLLM's CUDA build, from the repository root:
 
     PYTHONPATH=. python3 bench/bench_real_shape.py --json real_shape.json [--experts bf16,int4]
 
-Why one rank's shape: the real model serves at TP=4 on four RTX 3090s, none of which is at hand; one
-larger GPU can run exactly what one of those ranks computes (the ``real-rank`` preset of
+Why one rank's shape: the real model serves at TP=4 on four RTX 3090s; where those are not
+available, one larger GPU can run exactly what one of those ranks computes (the ``real-rank`` preset of
 ``model/checkpoints.py``: per-rank heads, a quarter of every expert's width, the vocabulary shard),
 and a batch-1 decode step of that shape reads the bytes a 3090 rank would read. ``python -m
 model.planner CONFIG --speed real_shape.json`` turns the JSON into a 4x3090 estimate

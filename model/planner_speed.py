@@ -1,6 +1,6 @@
 """Decode speed on 4x RTX 3090 at TP=4, estimated from one GPU's measurement of one rank's shape.
 
-Why an estimate: no RTX 3090 is at hand, but an H200 can run exactly what one rank of TP=4 computes
+Why an estimate: where no four RTX 3090s are available to measure, an H200 can run exactly what one rank of TP=4 computes
 (``bench/bench_real_shape.py``, the ``real-rank`` preset). A decode step at small batch is bound by
 the bytes it reads from GPU memory, so the measured step is turned into a 3090 step by the ratio of
 the two memory bandwidths (the fraction of peak bandwidth the H200 achieved is assumed to be what a

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import fcntl
 import json
 import os
 import shlex
@@ -113,12 +115,13 @@ def expert_w4a16_config(config) -> dict[str, Any]:
     return quantization_config(plan, ignored(names, set(mods)), mods)
 
 
-def write_checkpoint(preset: str, out: Path, experts: str) -> Path:
-    """``out`` with config.json (the preset, ``experts`` format), generation config and tokenizer."""
+def write_checkpoint(preset: str, out: Path, experts: str, overrides: dict[str, Any] | None = None) -> Path:
+    """``out`` with config.json (the preset with ``overrides``, ``experts`` format), generation
+    config and tokenizer."""
     from model.checkpoints import preset_spec, text_config
 
     out.mkdir(parents=True, exist_ok=True)
-    spec = preset_spec(preset)
+    spec = {**preset_spec(preset), **(overrides or {})}
     if spec.get("output_gate_type") is None:
         spec["output_gate_type"] = "silu"  # transformers' reading of null (hidden_act): same model
     config, generation = text_config(spec, out)
@@ -188,6 +191,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         max_model_len=max(spec["ttft"]) + 64,
         max_num_seqs=max(spec["batches"]),
         gpu_memory_utilization=spec["gpu_memory_utilization"],
+        **({"kv_cache_memory_bytes": spec["kv_cache_bytes"]} if spec.get("kv_cache_bytes") else {}),
         seed=0,
         additional_config={"gdn_prefill_backend": "triton"},
         **({"compilation_config": {"cudagraph_capture_sizes": sizes}} if graphs else {}),
@@ -203,10 +207,26 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench's timing loop
     from bench_engine_gpu import time_engine
 
-    result["tps"], result["ttft_ms"] = time_engine(
-        llm, spec["batches"], spec["ttft"], spec["new_tokens"], spec["repeats"]
-    )
+    with timing_turn(spec.get("timing_lock")):
+        result["tps"], result["ttft_ms"] = time_engine(
+            llm, spec["batches"], spec["ttft"], spec["new_tokens"], spec["repeats"]
+        )
     return result
+
+
+@contextlib.contextmanager
+def timing_turn(lock_path: str | None):
+    """Hold an exclusive lock on ``lock_path`` (if given) while timing: several bench processes on
+    one GPU can then build their engines at the same time and still time one at a time."""
+    if not lock_path:
+        yield
+        return
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def run_child(spec: dict[str, Any], spec_path: Path, timeout_s: float) -> dict[str, Any]:
@@ -277,7 +297,8 @@ def render(report: dict[str, Any]) -> str:
         f"`{report['command']}`",
         "",
         f"GPU: {report['gpu']}; bandwidth used for the HBM fraction: {report['hbm_gbps']:,.0f} GB/s; "
-        f"preset {report['preset']}{' (one rank of TP=4)' if report['preset'] == 'real-rank' else ''}, dummy weights, {report['new_tokens']} new tokens "
+        f"preset {report['preset']}{' (one rank of TP=4)' if report['preset'] == 'real-rank' else ''}"
+        f"{''.join(f', {k}={v}' for k, v in report.get('overrides', {}).items())}, dummy weights, {report['new_tokens']} new tokens "
         f"per request, median of {report['repeats']}",
         "",
         "| " + " | ".join(header) + " |",
@@ -338,10 +359,31 @@ def main(argv: list[str] | None = None) -> int:
         "--hbm-gbps", type=float, default=H200_HBM_GBPS, help="the GPU's memory bandwidth (H200: 4800)"
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        help="reserve this many bytes of KV cache instead of profiling free memory (a GPU shared with "
+        "other jobs: vLLM's profiling fails when another process's memory changes meanwhile)",
+    )
+    p.add_argument(
+        "--timing-lock",
+        metavar="FILE",
+        help="time only while holding an exclusive lock on FILE (benches started side by side build their "
+        "engines in parallel and time in turn)",
+    )
     p.add_argument("--child-timeout", type=float, default=1800.0, help="seconds per engine process")
     p.add_argument("--json", help="write every number here (input of python -m model.planner --speed)")
     p.add_argument("--keep-checkpoints", help=argparse.SUPPRESS)  # a directory to write them to instead
     p.add_argument("--preset", default="real-rank", help=argparse.SUPPRESS)  # a smaller shape, for checks
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=JSON",
+        help="override a config field of the preset, e.g. indexer_n_heads=4 (the widest index vLLM's own "
+        "indexer prefill launcher fits on an H200, for a served/upstream ratio where upstream cannot "
+        "launch the real 16 heads)",
+    )
     p.add_argument("--cpu", action="store_true", help=argparse.SUPPRESS)  # vLLM's CPU build: ours, eager
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -363,6 +405,15 @@ def main(argv: list[str] | None = None) -> int:
     for e in experts:
         if e not in EXPERT_FORMATS:
             p.error(f"unknown expert format {e!r}; choose from {EXPERT_FORMATS}")
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        field, sep, value = item.partition("=")
+        if not sep:
+            p.error(f"--set {item!r}: expected FIELD=JSON, e.g. indexer_n_heads=4")
+        try:
+            overrides[field] = json.loads(value)
+        except json.JSONDecodeError as exc:
+            p.error(f"--set {item!r}: the value is not JSON ({exc})")
     batches = [int(x) for x in args.batches.split(",")]
     ttft = [int(x) for x in args.ttft.split(",")]
     report: dict[str, Any] = {
@@ -370,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": gpu_name(),
         "hbm_gbps": args.hbm_gbps,
         "preset": args.preset,
+        "overrides": overrides,
         "tp_of_preset": 4,
         "batches": batches,
         "ttft": ttft,
@@ -381,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(args.keep_checkpoints) if args.keep_checkpoints else Path(tmp)
         for fmt in experts:
-            ckpt = write_checkpoint(args.preset, base / f"{args.preset}-{fmt}", fmt)
+            ckpt = write_checkpoint(args.preset, base / f"{args.preset}-{fmt}", fmt, overrides)
             nbytes = step_bytes(ckpt, fmt)
             for variant in variants:
                 env, unset = child_env(variant, args.cpu)
@@ -396,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                     "new_tokens": args.new_tokens,
                     "repeats": args.repeats,
                     "gpu_memory_utilization": args.gpu_memory_utilization,
+                    "kv_cache_bytes": args.kv_cache_bytes,
+                    "timing_lock": args.timing_lock,
                     "out": str(Path(tmp) / f"{variant}-{fmt}.json"),
                 }
                 r = run_child(spec, Path(tmp) / f"{variant}-{fmt}_spec.json", args.child_timeout)

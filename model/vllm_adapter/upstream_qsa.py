@@ -190,6 +190,9 @@ class Qwen4ExpQSAAttentionSm86(_UpstreamOwner):
     the quantized checkpoint's layer structure (upstream loads either way: ``load_weights`` maps
     the indexer into ``qkv_proj`` only while ``fuse_indexer_projection`` holds)."""
 
+    # vLLM's ``load_format=dummy`` draws every parameter at random, the K/V scales too (set per engine).
+    dummy_weights: bool = False
+
     def __init__(self, *, vllm_config, config, layer_id, quant_config=None, reduce_results=True, prefix=""):
         separate = keeps_indexer_projection_separate(quant_config)
         with _indexer_projection_kept_separate() if separate else contextlib.nullcontext():
@@ -239,6 +242,8 @@ class Qwen4ExpQSAAttentionSm86(_UpstreamOwner):
         )
         impl.kv_state = self.kv_state
         self.impl = impl
+        load_format = getattr(getattr(vllm_config, "load_config", None), "load_format", "auto")
+        self.dummy_weights = str(getattr(load_format, "value", load_format)) == "dummy"
         if glue.needs_unfused_prepare(self.kv_state):
             self.use_fused_qsa_prepare = False
             self.indexer.forward = _with_vllm_gemma_rmsnorm(self.indexer.forward)
@@ -250,7 +255,11 @@ class Qwen4ExpQSAAttentionSm86(_UpstreamOwner):
         ``_v_scale`` buffers and their host copies get the same numbers, so nothing upstream still
         reads (its BF16-path writer, logs) disagrees. A checkpoint's own scales must match."""
         glue.reconcile_checkpoint_scales(
-            self.kv_state.layer_name, float(self._k_scale.item()), float(self._v_scale.item()), self.kv_state
+            self.kv_state.layer_name,
+            float(self._k_scale.item()),
+            float(self._v_scale.item()),
+            self.kv_state,
+            dummy_weights=self.dummy_weights,
         )
         self.kv_state.apply()
         k, v = self.kv_state.k_scale_value, self.kv_state.v_scale_value

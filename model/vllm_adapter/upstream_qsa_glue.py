@@ -114,12 +114,19 @@ def attend_fp8(
 
 
 def reconcile_checkpoint_scales(
-    layer_name: str, checkpoint_k: float, checkpoint_v: float, state: QSAKVState
+    layer_name: str,
+    checkpoint_k: float,
+    checkpoint_v: float,
+    state: QSAKVState,
+    *,
+    dummy_weights: bool = False,
 ) -> None:
     """Refuse a checkpoint whose own K/V scales (upstream loads ``k_scale``/``v_scale`` tensors into
     the layer) disagree with the ones this deployment serves: either source alone is fine; two that
-    disagree would mean one of them is ignored."""
-    if checkpoint_k == 1.0 and checkpoint_v == 1.0:
+    disagree would mean one of them is ignored. With ``dummy_weights`` (vLLM's ``load_format=dummy``,
+    which fills every parameter, these scales included, with random numbers) there is no checkpoint
+    and nothing to reconcile."""
+    if dummy_weights or (checkpoint_k == 1.0 and checkpoint_v == 1.0):
         return
     if not state.quantized:
         raise ValueError(

@@ -160,6 +160,9 @@ def test_checkpoint_scales_must_agree_with_the_served_ones(tmp_path, runtime):
     )
     with pytest.raises(ValueError, match="the KV cache is not FP8; fix: --kv-cache-dtype fp8"):
         glue.reconcile_checkpoint_scales(LAYER, 0.1, 0.1, plain)
+    # vLLM's dummy loader draws every parameter at random, these scales too: no checkpoint to reconcile.
+    glue.reconcile_checkpoint_scales(LAYER, -0.0007, -0.0007, plain, dummy_weights=True)
+    glue.reconcile_checkpoint_scales(LAYER, -0.0007, 0.3, st, dummy_weights=True)
 
 
 # ---- the classes, on upstream's real base classes --------------------------------------------------
@@ -224,6 +227,9 @@ def test_owner_post_load_hook_gives_every_reader_the_sidecar_scales(tmp_path, ru
     other.kv_state = st
     with pytest.raises(ValueError, match="differ from the served ones"):
         other.process_weights_after_loading(torch.bfloat16)
+    other.dummy_weights = True  # load_format=dummy: the 0.3 is a random draw, the sidecar's scales serve
+    other.process_weights_after_loading(torch.bfloat16)
+    assert other._k_scale.item() == pytest.approx(0.05)
 
 
 def test_install_rebinds_the_owner_and_guards_the_fp8_warmup(upstream_qsa):

@@ -24,13 +24,19 @@ import time
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import http_metrics
-from .errors import error_body, send_error
+from .errors import error_body, error_response_parts, send_error
 
 log = logging.getLogger("service.time_limits")
 
 # How long the closing message of a timed-out request may take to send; a client that does not
 # read at all gets its connection closed instead.
 FINAL_SEND_TIMEOUT_S = 5.0
+# After a 408 for a trickled body, how long the connection keeps reading (and dropping) what the
+# client still sends before it is closed. Closing a socket with unread bytes in its receive buffer,
+# or with bytes still in flight, makes the kernel answer with a TCP reset, and a client that gets
+# the reset before it has read the 408 loses the answer (RFC 9112 section 9.6, "lingering close").
+LINGER_S = 2.0
+LINGER_QUIET_S = 0.5  # ...or until the client has sent nothing for this long
 
 
 class BodyTimedOut(Exception):
@@ -76,13 +82,31 @@ class BodyTimeout:
             http_metrics.TIMEOUTS.labels("body").inc()
             if started:
                 raise
-            await send_error(
-                send,
+            start, body = error_response_parts(
                 408,
                 f"The request body did not arrive within {self.seconds:g} s (QWEN4EXP_BODY_TIMEOUT_SECONDS).",
                 "request_timeout",
                 {"Connection": "close"},
             )
+            # The whole answer goes out first; the response ends (and uvicorn closes the connection)
+            # only after the client stopped sending, hung up, or LINGER_S passed.
+            await send(start)
+            await send({**body, "more_body": True})
+            await linger(receive, LINGER_S, LINGER_QUIET_S)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def linger(receive: Receive, seconds: float, quiet: float) -> None:
+    """Read and drop request body messages until the client hangs up, its body ends, it sends
+    nothing for ``quiet`` seconds, or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            message = await asyncio.wait_for(receive(), min(left, quiet))
+        except TimeoutError:
+            return
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 class RequestDeadline:

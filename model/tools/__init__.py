@@ -2,5 +2,6 @@
 ``planner_speed``), the checkpoint converters (``quantize``, ``quantize_gptq_awq``, ``ple_quantize``) and
 the test checkpoints and inputs (``checkpoints``, ``cases``).
 
-No vLLM process imports them; the service imports the planner for its preflight and its converter.
+The model code that vLLM runs never imports them; the service's preflight checks and its converter
+(``python -m service.convert``) import the planner.
 """

@@ -23,7 +23,7 @@
 # - The run-time CUDA C++ JIT users we know of are kept off (this image has no nvcc): vLLM's FlashInfer
 #   sampler is off (VLLM_USE_FLASHINFER_SAMPLER=0: vLLM's own sampler), and on the upstream CUDA path
 #   our subclass computes the indexer's Gemma RMS norm with vLLM's compiled op instead of FlashInfer's
-#   JIT kernel (model/vllm_adapter/upstream_qsa.py).
+#   JIT kernel (model/upstream/qsa.py).
 # - No model is baked in and serving never downloads: mount the checkpoint read-only and point
 #   QWEN4EXP_MODEL at it; HF_HUB_OFFLINE=1 makes an accidental hub lookup fail fast. compose's
 #   `download` profile turns it off for its one job (docs/deployment.md).
@@ -66,7 +66,7 @@ COPY service ./service
 # --no-deps: every dependency is already locked above; the package adds only our code and the
 # vllm.general_plugins entry point.
 RUN uv pip install --no-deps . \
- && python -c "import model.plugin, service.settings, vllm; assert vllm.__version__.startswith('0.32.')" \
+ && python -c "import model.runtime.plugin, service.settings, vllm; assert vllm.__version__.startswith('0.32.')" \
  && python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('torchvision', 'torchaudio', 'torchcodec')))"
 
 # ---- runtime ------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Front-end time to a long prompt's first token text: vLLM's detokenizer primed with the whole prompt
-vs with its last tokens (``model.detokenize_prime``), side by side in one run.
+vs with its last tokens (``model.runtime.detokenize_prime``), side by side in one run.
 
 What is timed is what vLLM's output processor does when the first token comes back: build the
 request's ``FastIncrementalDetokenizer`` and ``update`` it with that token. Random-id prompts
@@ -42,7 +42,7 @@ def main() -> None:
 
     from vllm.tokenizers import get_tokenizer
 
-    from model import detokenize_prime
+    from model.runtime import detokenize_prime
 
     detokenize_prime.install()
     tokenizer = get_tokenizer(args.tokenizer)

@@ -17,7 +17,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:
-    from model.checkpoints import CORPUS
+    from model.tools.checkpoints import CORPUS
 
     lines = [line for line in CORPUS.splitlines() if line.strip()]
     return [tokenizer(lines[i % len(lines)])["input_ids"] for i in range(n)]

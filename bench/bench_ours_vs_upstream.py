@@ -15,12 +15,12 @@ are rewritten after every child, so a run killed from outside still leaves the r
 
 Why each piece is the way it is:
 
-* ``qsa512`` (``model/checkpoints.py``) is the smallest checkpoint whose QSA indexer has a real
+* ``qsa512`` (``model/tools/checkpoints.py``) is the smallest checkpoint whose QSA indexer has a real
   shape (2048-token budget / ratio 4 = 512 blocks); upstream's top-k kernels take only 512/1024/2048
   blocks, and a toy budget would never exercise the sparse path at all.
 * One engine per child process (``subprocess`` of a fresh interpreter, never fork), because the
   implementation is picked at import time by the environment: ours is registered by the package's
-  ``vllm.general_plugins`` entry point (``model.plugin:register``) under the same architecture names
+  ``vllm.general_plugins`` entry point (``model.runtime.plugin:register``) under the same architecture names
   as upstream, so ``VLLM_PLUGINS=none`` (a name no plugin has) is what gives upstream's model.
   Upstream needs the V2 model runner (under V1 it stops with "PLE inputs were not prepared"); ours
   runs on V1. Every row prints which model class was actually loaded.
@@ -347,10 +347,10 @@ def engine_child(spec: dict) -> dict:
     if spec["impl"] == "upstream" and spec["device"] == "cuda":
         # Raw upstream (our plugin off), so the CuTe-DSL switch is ours to apply, and it imports
         # upstream before LLM(): enable breakable graphs first, as vLLM's config would for
-        # Qwen4-Exp, or the modules keep no graph breaks (model/vllm_adapter/upstream_kernels.py).
+        # Qwen4-Exp, or the modules keep no graph breaks (model/upstream/kernels.py).
         if not IMPLS[spec["impl"]][1]:
             os.environ.setdefault("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
-        from model.vllm_adapter.upstream_kernels import disable_cute_dsl_hc_if_missing
+        from model.upstream.kernels import disable_cute_dsl_hc_if_missing
 
         note = disable_cute_dsl_hc_if_missing()
         if note:
@@ -779,7 +779,7 @@ def main() -> int:
     if args.make_checkpoint:
         args.model = args.make_checkpoint
         if not (Path(args.model) / "config.json").exists():
-            from model.checkpoints import make_checkpoint
+            from model.tools.checkpoints import make_checkpoint
 
             t = time.perf_counter()
             make_checkpoint("qsa512", args.model, train_steps=args.train_steps)

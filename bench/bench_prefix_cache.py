@@ -20,7 +20,7 @@ time the hit at about half its served speed.
 Model Runner V2, the engine core in this process, as ``bench/bench_ours_vs_upstream.py`` runs it);
 it needs a checkpoint upstream takes, e.g. ``qsa512``. Nothing from upstream is imported before
 ``LLM()``: importing it earlier loses upstream's graph breaks, and a hit with graphs then ignores
-its suffix; the subclass refuses that state (``model/vllm_adapter/upstream_kernels.py``).
+its suffix; the subclass refuses that state (``model/upstream/kernels.py``).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ Round = tuple[Sample, Sample, Sample]  # the cold request, the cache hit, the fl
 def set_gdn_mode(mode: bool | None) -> None:
     """Switch upstream's GDN short-prefill path in the running engine (``None``: leave it)."""
     if mode is not None:
-        from model.vllm_adapter import upstream_gdn  # the engine core runs in this process (--upstream)
+        from model.upstream import gdn as upstream_gdn  # the engine core runs in this process (--upstream)
 
         upstream_gdn.set_enabled(mode)
 
@@ -220,7 +220,7 @@ def main() -> None:
         if args.gdn_ab:  # installed, then switched per round
             os.environ["QWEN4EXP_GDN_SHORT_PREFILL"] = "1"
         # Nothing from upstream is imported here: the subclass module does what it needs once vLLM has
-        # built its config (see model/vllm_adapter/upstream_kernels.py for why the order matters).
+        # built its config (see model/upstream/kernels.py for why the order matters).
     else:  # ours, also on CUDA (where the default would be upstream), on its V1 runner there
         os.environ.setdefault("QWEN4EXP_CUDA_MODEL", "ours")
 

@@ -7,17 +7,17 @@ Run on a machine with vLLM's CUDA build, from the repository root:
 
 Why one rank's shape: the real model serves at TP=4 on four RTX 3090s; where those are not
 available, one larger GPU can run exactly what one of those ranks computes (the ``real-rank`` preset of
-``model/checkpoints.py``: per-rank heads, a quarter of every expert's width, the vocabulary shard),
+``model/tools/checkpoints.py``: per-rank heads, a quarter of every expert's width, the vocabulary shard),
 and a batch-1 decode step of that shape reads the bytes a 3090 rank would read. ``python -m
-model.planner CONFIG --speed real_shape.json`` turns the JSON into a 4x3090 estimate
-(``model/planner_speed.py``).
+model.tools.planner CONFIG --speed real_shape.json`` turns the JSON into a 4x3090 estimate
+(``model/tools/planner_speed.py``).
 
 The checkpoint holds only config.json, a generation config and a tokenizer, in a temporary
 directory: vLLM draws the weights itself (``load_format="dummy"``), so no 30 GB of safetensors is
 written. ``output_gate_type`` is written as ``"silu"``, what transformers reads for the preset's
 null (``hidden_act``), so that vLLM's own model, which rejects null, runs the same model; our plugin
 writes the same value for it. ``--experts int4`` adds the compressed-tensors W4A16
-``quantization_config`` that ``python -m model.quantize --format w4a16 --scope experts`` writes
+``quantization_config`` that ``python -m model.tools.quantize --format w4a16 --scope experts`` writes
 (routed experts only, group 128): Marlin, vLLM's int4 MoE kernel on sm_86 and sm_90.
 
 Variants, one engine per variant and expert format, each in its own process:
@@ -35,7 +35,7 @@ request of a random ``--ttft``-token prompt with ``max_tokens=1``, wall time of 
 ``--repeats`` after a warm-up. Prefix caching is off so that repeats do not hit the cache. Step =
 1 / tok/s at batch 1. HBM fraction = bytes a batch-1 step reads (the rank's weights without the
 embedding, experts only the top-k and the shared one, in the variant's format;
-``model.planner_speed.decode_bytes_per_step``) / step / ``--hbm-gbps``.
+``model.tools.planner_speed.decode_bytes_per_step``) / step / ``--hbm-gbps``.
 """
 
 from __future__ import annotations
@@ -88,11 +88,11 @@ CPU_ENV: dict[str, str] = {
 
 
 def expert_w4a16_config(config) -> dict[str, Any]:
-    """The ``quantization_config`` ``python -m model.quantize --format w4a16 --scope experts``
+    """The ``quantization_config`` ``python -m model.tools.quantize --format w4a16 --scope experts``
     writes for this config, built with that module's own functions from one GDN and one QSA
     layer's tensor names (its regex families cover every layer and expert)."""
-    from model.planner_quant import DEFAULT_GROUP
-    from model.quantize import Plan, ignored, quantization_config, targets
+    from model.tools.planner_quant import DEFAULT_GROUP
+    from model.tools.quantize import Plan, ignored, quantization_config, targets
 
     if config.moe_intermediate_size % DEFAULT_GROUP or config.hidden_size % DEFAULT_GROUP:
         raise ValueError(
@@ -118,7 +118,7 @@ def expert_w4a16_config(config) -> dict[str, Any]:
 def write_checkpoint(preset: str, out: Path, experts: str, overrides: dict[str, Any] | None = None) -> Path:
     """``out`` with config.json (the preset with ``overrides``, ``experts`` format), generation
     config and tokenizer."""
-    from model.checkpoints import preset_spec, text_config
+    from model.tools.checkpoints import preset_spec, text_config
 
     out.mkdir(parents=True, exist_ok=True)
     spec = {**preset_spec(preset), **(overrides or {})}
@@ -139,8 +139,8 @@ def write_checkpoint(preset: str, out: Path, experts: str, overrides: dict[str, 
 
 def step_bytes(checkpoint: Path, experts: str) -> int:
     """Bytes a batch-1 decode step reads at this checkpoint's shape (TP=1: it is one rank)."""
-    from model.planner import load_config, weights_per_rank
-    from model.planner_speed import decode_bytes_per_step
+    from model.tools.planner import load_config, weights_per_rank
+    from model.tools.planner_speed import decode_bytes_per_step
 
     config = load_config(checkpoint)
     return decode_bytes_per_step(config, 1, experts, weights_per_rank=weights_per_rank).total
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         "engines in parallel and time in turn)",
     )
     p.add_argument("--child-timeout", type=float, default=1800.0, help="seconds per engine process")
-    p.add_argument("--json", help="write every number here (input of python -m model.planner --speed)")
+    p.add_argument("--json", help="write every number here (input of python -m model.tools.planner --speed)")
     p.add_argument("--keep-checkpoints", help=argparse.SUPPRESS)  # a directory to write them to instead
     p.add_argument("--preset", default="real-rank", help=argparse.SUPPRESS)  # a smaller shape, for checks
     p.add_argument(

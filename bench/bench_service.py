@@ -245,7 +245,7 @@ def main() -> int:
     args = parser.parse_args()
     if not (args.model / "config.json").is_file():
         parser.error(
-            f"{args.model} has no config.json (generate it: python -m model.checkpoints --preset tiny ...)"
+            f"{args.model} has no config.json (generate it: python -m model.tools.checkpoints --preset tiny ...)"
         )
     if min(args.requests, args.concurrency, args.rounds) < 1:
         parser.error("--requests, --concurrency and --rounds must be positive")

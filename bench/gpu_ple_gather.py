@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from model.kernels.ple_gather import default_launch_config, ple_gather
-from model.ops.ple_host_memory import alloc_pinned_host
-from model.ops.ple_storage import make_storage
+from model.ple.gather_kernel import default_launch_config, ple_gather
+from model.ple.host_memory import alloc_pinned_host
+from model.ple.storage import make_storage
 
 GiB = 1 << 30
 DEV = torch.device("cuda", 0)
@@ -177,7 +177,7 @@ def ptx_loads() -> str:
     """Global load/store forms in the last compiled gather kernel's PTX (are row loads 16 B wide?)."""
     from collections import Counter
 
-    from model.kernels import ple_gather as pg
+    from model.ple import gather_kernel as pg
 
     k = pg._LAST_KERNEL
     try:

@@ -2,7 +2,7 @@
 allocation shard by shard, so the peak stays near one table plus one checkpoint shard.
 
 Builds a synthetic checkpoint (the tiny preset with a much larger n-gram vocabulary, so nearly all
-bytes are PLE tables; random values), converts it to fp8_e4m3 and nvfp4 with ``model.ple_quantize``,
+bytes are PLE tables; random values), converts it to fp8_e4m3 and nvfp4 with ``model.tools.ple_quantize``,
 then, for each format, builds the vLLM model in a fresh process with vLLM's own loader (default
 lazy safetensors iterator) and samples ``/proc/self/status`` every millisecond. For contrast it
 also loads the bf16 checkpoint with vLLM's ``--safetensors-load-strategy eager``, which reads each
@@ -44,7 +44,7 @@ def build_checkpoint(src: Path, out: Path, base: int) -> Path:
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
-    from model.ops.ngram_hash import layout_from_config
+    from model.ple.ngram_hash import layout_from_config
 
     shutil.copytree(src, out)
     config = json.loads((out / "config.json").read_text())
@@ -162,12 +162,12 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(REPO))
-    from model.ple_quantize import convert_checkpoint
+    from model.tools.ple_quantize import convert_checkpoint
 
     tiny = REPO / "checkpoints" / "tiny"
     if not (tiny / "model.safetensors").exists():
         subprocess.run(
-            [sys.executable, "-m", "model.checkpoints", "--preset", "tiny", "--out", str(tiny)],
+            [sys.executable, "-m", "model.tools.checkpoints", "--preset", "tiny", "--out", str(tiny)],
             check=True,
             cwd=REPO,
         )

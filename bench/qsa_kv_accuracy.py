@@ -10,7 +10,7 @@ For a checkpoint, from the repository root:
 3. Prints mean / p99 / max of ``|logprob(FP8) - logprob(BF16)|`` for both, as a markdown table.
 
 ``--outlier`` first rewrites the checkpoint into its function-identical variant whose QSA V values
-exceed E4M3's +-448 (``model/cases.py``), the situation real checkpoints are in. One
+exceed E4M3's +-448 (``model/tools/cases.py``), the situation real checkpoints are in. One
 engine runs at a time (~35 s each on the 2-core CPU machine).
 
 Results: ``docs/benchmarks.md`` ("FP8 QSA KV cache accuracy").
@@ -89,7 +89,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
     from transformers import AutoTokenizer
 
-    from model.cases import make_outlier_checkpoint, parity_prompts
+    from model.tools.cases import make_outlier_checkpoint, parity_prompts
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "tiny")

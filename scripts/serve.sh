@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 if [ ! -f checkpoints/tiny/model.safetensors ]; then
-  .venv/bin/python -m model.checkpoints --preset tiny --out checkpoints/tiny
+  .venv/bin/python -m model.tools.checkpoints --preset tiny --out checkpoints/tiny
 fi
 export QWEN4EXP_MODEL="${QWEN4EXP_MODEL:-checkpoints/tiny}"
 # Local demo: loopback unless told otherwise (auth is off when no key is set); the container uses 0.0.0.0.

@@ -3,9 +3,9 @@
 ``python -m service.convert --src SRC --out OUT --scratch DIR [--tp 4] [--ple-format fp8_e4m3]
 [--expert-format w4a16] [--estimate-only]``
 
-Two existing converters, in order: ``model.ple_quantize`` (PLE tables to fp8_e4m3 or nvfp4: the
+Two existing converters, in order: ``model.tools.ple_quantize`` (PLE tables to fp8_e4m3 or nvfp4: the
 tables live in pinned host memory, 84 GiB in bf16 for the example config, 42 in fp8) into
-``SCRATCH/ple-<format>``, then ``model.quantize`` (routed experts to int4 W4A16 or FP8 blocks with
+``SCRATCH/ple-<format>``, then ``model.tools.quantize`` (routed experts to int4 W4A16 or FP8 blocks with
 groups that tile each of ``--tp`` ranks) from there into ``OUT``; the intermediate is removed at
 the end. Before anything is written the disk space each step needs is printed, computed from the
 source's size on disk and the fit planner's byte counts for the formats asked for, and compared
@@ -22,13 +22,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.planner import load_config, ple_tables, weights_per_rank
-from model.planner_quant import ExpertFormat
+from model.tools.planner import load_config, ple_tables, weights_per_rank
+from model.tools.planner_quant import ExpertFormat
 
 GB = 10**9
 EXIT_NO_SPACE = 4
-EXPERT_FORMATS = {"w4a16": "int4", "fp8-block": "fp8"}  # model.quantize --format -> planner name
-GROUPS = (128, 64, 32)  # model.quantize.GROUP_CHOICES: the largest that tiles every rank is used
+EXPERT_FORMATS = {"w4a16": "int4", "fp8-block": "fp8"}  # model.tools.quantize --format -> planner name
+GROUPS = (128, 64, 32)  # model.tools.quantize.GROUP_CHOICES: the largest that tiles every rank is used
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def free_bytes(path: Path) -> int:
 
 
 def expert_format(config, tp: int, fmt: str) -> ExpertFormat:
-    """The planner's format for ``model.quantize --format fmt`` with the group the quantizer picks."""
+    """The planner's format for ``model.tools.quantize --format fmt`` with the group the quantizer picks."""
     name = EXPERT_FORMATS[fmt]
     for group in GROUPS:
         candidate = ExpertFormat(name, group)
@@ -149,10 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     stage = args.scratch / f"ple-{args.ple_format}"
     if stage.exists():
         shutil.rmtree(stage)  # a previous, interrupted run: its tables may be partial
-    run(["model.ple_quantize", "--format", args.ple_format, "--src", str(args.src), "--out", str(stage)])
+    run(
+        ["model.tools.ple_quantize", "--format", args.ple_format, "--src", str(args.src), "--out", str(stage)]
+    )
     run(
         [
-            "model.quantize",
+            "model.tools.quantize",
             "--src",
             str(stage),
             "--out",

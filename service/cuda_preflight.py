@@ -371,9 +371,9 @@ def installed_vllm_build() -> str:
     GPUs (a GPU host with both installed); the engine then runs on the CPU, so ``auto`` must not
     demand a visible GPU because torch happens to know CUDA. vLLM's ``vllm_version_matches_substr``
     is what its CUDA platform plugin asks, so both always agree (it touches no GPU); the plugin asks
-    the same function (:func:`model.cuda_model_choice.vllm_is_cpu_build`).
+    the same function (:func:`model.runtime.cuda_model_choice.vllm_is_cpu_build`).
     """
-    from model.cuda_model_choice import vllm_is_cpu_build
+    from model.runtime.cuda_model_choice import vllm_is_cpu_build
 
     return "cpu" if vllm_is_cpu_build() else "cuda"
 

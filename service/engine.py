@@ -85,7 +85,7 @@ def gdn_prefill_args(device: str) -> list[str]:
     under ``QWEN4EXP_FORCE_SM86=1``. Elsewhere vLLM decides."""
     import importlib.util
 
-    from model import sm86
+    from model.runtime import sm86
 
     if device != "cuda":
         return []
@@ -95,8 +95,8 @@ def gdn_prefill_args(device: str) -> list[str]:
 
 
 def sm86_forced() -> bool:
-    """``QWEN4EXP_FORCE_SM86`` (:mod:`model.sm86`): an H100/H200 takes the RTX 3090's paths."""
-    from model import sm86
+    """``QWEN4EXP_FORCE_SM86`` (:mod:`model.runtime.sm86`): an H100/H200 takes the RTX 3090's paths."""
+    from model.runtime import sm86
 
     return sm86.forced()
 
@@ -108,7 +108,7 @@ def resolve_auto_implementation(settings: ServiceSettings, device: str) -> list[
     is made in this process, from the same facts the subclass checks again in the worker, and
     exported as ``QWEN4EXP_CUDA_MODEL=upstream|ours`` for the processes vLLM starts. Returns the
     reasons upstream was not chosen (logged; empty when upstream serves)."""
-    from model import cuda_model_choice, envs
+    from model.runtime import cuda_model_choice, envs
 
     if device != "cuda" or envs.cuda_model() != "auto":
         return []
@@ -146,7 +146,7 @@ def upstream_ple_storage_args(device: str) -> list[str]:
     ``engram_config.cpu_offload`` (default true, pinned host memory), not our variable, so the
     device mode is passed on as ``--engram-config``. Ours reads the variable itself. A malformed
     value or choice is reported by the settings and model-choice checks, not here."""
-    from model import cuda_model_choice, envs
+    from model.runtime import cuda_model_choice, envs
 
     if device != "cuda":
         return []
@@ -265,7 +265,7 @@ def upstream_choice_problems(vllm_config: VllmConfig) -> list[str]:
     on CUDA): why it cannot serve this deployment, one line per reason (none otherwise). Checked here
     so that start-up stops in a second instead of at model construction in the worker (which checks
     again)."""
-    from model import cuda_model_choice, envs
+    from model.runtime import cuda_model_choice, envs
 
     choice = envs.cuda_model()
     cpu_build = cuda_model_choice.vllm_is_cpu_build()
@@ -281,7 +281,7 @@ def default_model_runner() -> None:
     ``VLLM_USE_V2_MODEL_RUNNER``: upstream's model needs V2 (its PLE inputs come from V2's model
     state), ours runs on V1 (under V2 it fails at start-up on the PLE conv state). Set before vLLM
     builds its config; the engine core and workers inherit it. vLLM's CPU build needs no setting."""
-    from model import cuda_model_choice
+    from model.runtime import cuda_model_choice
 
     if cuda_model_choice.vllm_is_cpu_build() or os.environ.get(cuda_model_choice.V2_RUNNER, "").strip():
         return
@@ -299,7 +299,7 @@ def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namesp
     if (kv_problem := kv_cache_size_problem(settings, device)) is not None:
         problems.append(kv_problem)
     args = parse_args(cli_args(settings, device))
-    from model.envs import EnvError
+    from model.runtime.envs import EnvError
 
     try:
         if device == "cuda" and sm86_forced():

@@ -13,7 +13,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from model.metrics import PREFIX
+from model.runtime.metrics import PREFIX
 
 REQUESTS = Counter(
     PREFIX + "http_requests_total",

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model.cuda_model_choice import SHARED_MEMORY_OPTIN  # one table of the GPUs' opt-in shared memory
+from model.runtime.cuda_model_choice import SHARED_MEMORY_OPTIN  # one table of the GPUs' opt-in shared memory
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -186,7 +186,7 @@ def check_implementation(config: Mapping[str, Any], env: Mapping[str, str], gpu:
     A choice, not a refusal: with ``auto`` the service serves ours wherever upstream cannot, and the
     reasons say what upstream lacks; only an explicit ``upstream`` that upstream cannot serve fails.
     """
-    from model import cuda_model_choice, envs
+    from model.runtime import cuda_model_choice, envs
 
     if gpu is None:
         return Check(
@@ -256,7 +256,7 @@ def env_int(env: Mapping[str, str], name: str, default: int | None) -> int | Non
 
 
 def plan_for(checkpoint: Path, gpus: list[Gpu], tp: int, env: Mapping[str, str], host_gib: float):
-    from model.planner import Machine, Options, make_plan
+    from model.tools.planner import Machine, Options, make_plan
 
     kv = (env.get("QWEN4EXP_KV_CACHE_DTYPE") or "auto").strip().lower()
     gpu_gib = min(g.memory_mib or 0 for g in gpus) / 1024 * (23.7 / 24.0)  # what torch reports

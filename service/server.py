@@ -26,7 +26,7 @@ from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.launcher import NoSignalServer
 from vllm.version import __version__ as vllm_version
 
-from model import cuda_model_choice, envs
+from model.runtime import cuda_model_choice, envs
 
 from . import http_metrics
 from .app import build_app
@@ -85,7 +85,7 @@ async def watch_engine(app) -> None:
 
 
 def engine_death_reason() -> str:
-    """What the engine core wrote before it died (``model.engine_guard``), else a pointer to the log."""
+    """What the engine core wrote before it died (``model.runtime.engine_guard``), else a pointer to the log."""
     path = envs.read(envs.ENGINE_FATAL_FILE)
     try:
         reason = Path(path).read_text().strip() if path else ""

@@ -2,7 +2,7 @@
 
 Two groups: ``QWEN4EXP_*`` configures this front end and the engine it starts (pydantic-settings
 below); the model's own variables (``VLLM_QSA_*``, ``VLLM_PLE_*`` and the engine guard's) are
-declared in ``model.envs`` and read by the model code in the worker processes (which inherit the
+declared in ``model.runtime.envs`` and read by the model code in the worker processes (which inherit the
 environment). Here they are validated with that module's own parsers and checks, early, so a bad
 value fails in a second with the same message the worker would give, instead of minutes later.
 This module must not import vLLM or prometheus_client: the entry point validates first and exits
@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from model import envs
+from model.runtime import envs
 
 PREFIX = "QWEN4EXP_"
 
@@ -260,7 +260,7 @@ def unknown_prefixed_variables() -> list[str]:
 def load() -> tuple[ServiceSettings, SimpleNamespace]:
     """Read and validate every variable; raise ``SettingsError`` listing all problems at once.
 
-    The second value holds the model's variables by name, parsed by ``model.envs`` (defaults
+    The second value holds the model's variables by name, parsed by ``model.runtime.envs`` (defaults
     filled in), exactly as the worker processes will read them.
     """
     problems: list[str] = []

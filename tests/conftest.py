@@ -40,7 +40,7 @@ def ensure_checkpoint(preset: str) -> Path:
     path = CHECKPOINTS / preset
     if not (path / "model.safetensors").exists():
         subprocess.run(
-            [sys.executable, "-m", "model.checkpoints", "--preset", preset, "--out", str(path)],
+            [sys.executable, "-m", "model.tools.checkpoints", "--preset", preset, "--out", str(path)],
             check=True,
             cwd=ROOT,
         )

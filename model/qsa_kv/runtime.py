@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from model.metrics import counter, gauge
+from model.runtime.metrics import counter, gauge
 
 from .sidecar import atomic_write_json
 from .snapshot import DeviceSnapshot

@@ -4,7 +4,7 @@ Everything is parsed once per worker, when the first QSA layer is built, and eve
 value raises ``QSAKVConfigError``: a scale file or counter interval that is silently ignored would
 change numerics or hide clipping in production, so the server must not start instead.
 
-The variables themselves (parsers, defaults, docs) are declared in ``model.envs``, which the
+The variables themselves (parsers, defaults, docs) are declared in ``model.runtime.envs``, which the
 service validates at start-up with the same parsers and checks.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from model import envs
+from model.runtime import envs
 
 ENV_SCALES = envs.QSA_KV_SCALES
 ENV_SCALES_STRICT = envs.QSA_KV_SCALES_STRICT
@@ -70,7 +70,7 @@ class QSAKVSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> QSAKVSettings:
-        """Read the variables through ``model.envs`` (one parser for the model and the service)."""
+        """Read the variables through ``model.runtime.envs`` (one parser for the model and the service)."""
         try:
             return cls(
                 scales_path=envs.read(ENV_SCALES, env),

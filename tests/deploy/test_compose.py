@@ -324,7 +324,7 @@ FIXED = {
 
 
 def service_variables() -> set[str]:
-    from model import envs
+    from model.runtime import envs
     from service.settings import ServiceSettings
 
     return {"QWEN4EXP_" + f.upper() for f in ServiceSettings.model_fields} | set(envs.BY_NAME)
@@ -483,7 +483,9 @@ def test_convert_profile_prints_its_disk_estimate_first_and_converts_tiny(tmp_pa
     proc = run(argv, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    assert out.index("disk estimate") < out.index("model.ple_quantize") < out.index("model.quantize")
+    assert (
+        out.index("disk estimate") < out.index("model.tools.ple_quantize") < out.index("model.tools.quantize")
+    )
     estimate = re.search(r"\| output: servable checkpoint \| ([\d.,]+) (MB|GB) \|", out)
     assert estimate, out
     actual = sum(f.stat().st_size for f in (tmp_path / "out").iterdir())

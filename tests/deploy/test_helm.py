@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from model.planner import Machine, Options, make_plan
+from model.tools.planner import Machine, Options, make_plan
 
 from .tools import CHART, DASHBOARDS, EXAMPLE_CONFIG, RULES, python_module_or_fail, run, tool
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from model.planner import (
+from model.tools.planner import (
     GIB,
     Machine,
     Options,
@@ -110,7 +110,11 @@ def test_compose_and_chart_defaults_come_from_the_plan(plan):
 def test_cli_prints_the_plan_and_json(capsys):
     args = [str(EXAMPLE_CONFIG), "--ple-format", "fp8_e4m3"]
     proc = subprocess.run(
-        [sys.executable, "-m", "model.planner", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "model.tools.planner", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     for heading in (

@@ -34,7 +34,7 @@ import sys
 
 import pytest
 
-from model.planner import (
+from model.tools.planner import (
     DEFAULT_BLOCK_SIZE,
     GIB,
     capacity,

@@ -65,7 +65,7 @@ def prompts_of_lengths(tokenizer_dir: str | Path, lengths: Sequence[int], seed: 
     corpus, shuffled by sentence and salted with random tokens (so long prompts do not repeat exactly)."""
     from transformers import AutoTokenizer
 
-    from model.checkpoints import CORPUS
+    from model.tools.checkpoints import CORPUS
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     sentences = [s.strip() + "." for s in CORPUS.replace("\n", " ").split(".") if s.strip()]

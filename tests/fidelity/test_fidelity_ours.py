@@ -1,6 +1,6 @@
 """Our implementation on vLLM's CPU build against transformers in float32, teacher-forced.
 
-For each shape (two presets and two drawn ones, ``model.checkpoints.drawn_shape``) and prompts of
+For each shape (two presets and two drawn ones, ``model.tools.checkpoints.drawn_shape``) and prompts of
 several lengths, the pooled mean |delta| of the actual next token's log-prob must be within
 ``measure.tolerance`` of transformers' own bfloat16 error on the same prompts (the yardstick; see
 ``tests.fidelity.measure``). Prints both, with p99 and top-1 agreement on decisive positions.
@@ -32,7 +32,7 @@ def _checkpoint(shape: str):
             [
                 sys.executable,
                 "-m",
-                "model.checkpoints",
+                "model.tools.checkpoints",
                 "--preset",
                 shape,
                 "--out",

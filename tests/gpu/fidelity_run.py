@@ -3,7 +3,7 @@
 ``python -m tests.gpu.fidelity_run --out DIR [--shapes holdout,drawn-1,CHECKPOINT_DIR,...] [--lengths 600,2500,...]
 [--runs upstream:eager,upstream:graphs,ours:eager] [--diagnose upstream]``
 
-For each shape: a random-weight checkpoint (``model.checkpoints``; or a checkpoint directory of
+For each shape: a random-weight checkpoint (``model.tools.checkpoints``; or a checkpoint directory of
 one's own, with its tokenizer), transformers' float32 reference
 and bfloat16 yardstick on the GPU (``tests.fidelity.measure``), then one engine per run in its own
 process (``QWEN4EXP_CUDA_MODEL``, CUDA graphs or eager, the 3090's paths forced with
@@ -230,7 +230,7 @@ def diagnose(path: Path, impl: str, ids: list[int], workdir: Path) -> list[dict]
 
 
 def main() -> int:
-    from model.checkpoints import make_checkpoint
+    from model.tools.checkpoints import make_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from model.kernels.ple_gather import is_supported, ple_gather
-from model.ops.ple_storage import check_uva_support, make_storage, storage_from_table
-from model.ops.ple_tables import (
+from model.ple.gather_kernel import is_supported, ple_gather
+from model.ple.storage import check_uva_support, make_storage, storage_from_table
+from model.ple.tables import (
     FORMATS,
     dequantize_rows,
     lookup_raw_ref,

@@ -1,4 +1,4 @@
-"""FLA's recurrent kernel for short GDN prefills (``model.vllm_adapter.upstream_gdn``) on a CUDA
+"""FLA's recurrent kernel for short GDN prefills (``model.upstream.gdn``) on a CUDA
 device, against FLA's chunked kernel that upstream would otherwise run and the fp32 reference.
 
 Inputs in bf16 as upstream's prefill passes them; both kernels are held to the plain-torch recurrence
@@ -24,7 +24,7 @@ from tests.upstream.gdn_short_prefill_cases import (
 def test_recurrent_matches_chunked_and_reference(lengths):
     from vllm.third_party.flash_linear_attention.ops.chunk import chunk_gated_delta_rule
 
-    from model.vllm_adapter.upstream_gdn import recurrent_prefill
+    from model.upstream.gdn import recurrent_prefill
 
     # Real head sizes (128) and value heads per key head (2): the shapes the kernels tile for.
     q, k, v, g, beta, state, cu = batch(lengths, "cuda", torch.bfloat16, heads=4, value_heads=8, dim=128)
@@ -63,7 +63,7 @@ def test_in_place_path_matches_upstreams_prefill_sequence(lengths, has_state, st
     from vllm.third_party.flash_linear_attention.ops import fused_post_conv_prep
     from vllm.third_party.flash_linear_attention.ops.chunk import chunk_gated_delta_rule
 
-    from model.vllm_adapter.upstream_gdn import gated_delta_in_place
+    from model.upstream.gdn import gated_delta_in_place
 
     inputs = raw_batch(lengths, has_state, "cuda", torch.bfloat16, heads=4, value_heads=8, dim=128)
     inputs["ssm_state"] = inputs["ssm_state"].to(state_dtype)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from model.kernels.ple_gather import ple_gather
-from model.ops.ple_host_memory import alloc_pinned_host
+from model.ple.gather_kernel import ple_gather
+from model.ple.host_memory import alloc_pinned_host
 
 GiB = 1 << 30
 DIM = 128  # bf16: 256-byte rows, as the benchmark's table

@@ -12,7 +12,7 @@ take the 3090's (see there), and every engine records the kernel each layer fami
 vLLM's CUDA build (``tests/gpu/conftest.py``).
 
 vLLM 0.32 bug the tiny W4A16 pairs exposed (on a 3090 too), corrected by our plugin
-(``model.vllm_fixes``): Marlin MoE permutes the gate/up (w13) scales with
+(``model.runtime.vllm_fixes``): Marlin MoE permutes the gate/up (w13) scales with
 ``size_k=intermediate_size_per_partition`` instead of the hidden size
 (``model_executor/layers/fused_moe/oracle/int_wna16.py:686-692``); ``marlin_permute_scales``
 (``quantization/utils/marlin_utils.py:528``) then takes the per-channel permutation whenever
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from model.quantize import convert_checkpoint
+from model.tools.quantize import convert_checkpoint
 from tests.conftest import ensure_checkpoint
 from tests.parity.prompts import parity_prompts
 from tests.quant.parity import compare, greedy_with_logprobs
@@ -78,7 +78,7 @@ SM86_ENV = {
 NOT_ON_SM86 = ("Machete", "CutlassW4A8", "Humming", "DeepGemm", "FlashInfer", "TrtLlm", "Cutlass")
 
 
-# int4 weight formats (model.quantize) -> vLLM's linear methods that quantize them, as they appear in
+# int4 weight formats (model.tools.quantize) -> vLLM's linear methods that quantize them, as they appear in
 # a kernel record (AWQ's include its non-Marlin AutoAWQLinearMethod, which a 3090 must not take).
 INT4_LINEAR_METHODS = {
     "w4a16": re.compile(r"CompressedTensorsWNA16/"),

@@ -1,6 +1,6 @@
 """The real model's shape served by ``python -m service`` on CUDA, the 3090's choices forced.
 
-``real-4layer`` (``model.checkpoints``): the real config (16 index heads of 128, budget 2048 at
+``real-4layer`` (``model.tools.checkpoints``): the real config (16 index heads of 128, budget 2048 at
 ratio 4, 512 experts, a null output gate, RoPE on a quarter of 256-wide heads) cut to 4 layers so
 that transformers can be the reference on one GPU. Random weights drawn on the GPU.
 
@@ -47,7 +47,7 @@ CHOSEN_BY_SERVICE = ("QWEN4EXP_CUDA_MODEL", "VLLM_USE_V2_MODEL_RUNNER")
 
 
 def real_checkpoint() -> Path:
-    from model.checkpoints import make_checkpoint
+    from model.tools.checkpoints import make_checkpoint
 
     path = ROOT / "checkpoints" / PRESET
     if not (path / "model.safetensors").exists():

@@ -1,5 +1,5 @@
 """``QWEN4EXP_CUDA_MODEL=upstream`` on vLLM's CUDA build: vLLM's own Qwen4-Exp serves through our
-fail-closed subclass (``model.vllm_adapter.upstream_cuda``) with transformers' greedy tokens, and the
+fail-closed subclass (``model.upstream.model``) with transformers' greedy tokens, and the
 3090's FP8 QSA cache (our encoder and kernel, the calibrated sidecar, clip counters) runs on it.
 
 One engine per child process (a fresh interpreter): the implementation is registered when vLLM loads
@@ -31,7 +31,7 @@ from .test_quant_marlin import SM86_ENV, kernel_problems, sm86_engine_args
 pytestmark = pytest.mark.vllm_cuda
 
 ROOT = Path(__file__).resolve().parents[2]
-SUBCLASS = "model.vllm_adapter.upstream_cuda.Qwen4ExpForCausalLM"
+SUBCLASS = "model.upstream.model.Qwen4ExpForCausalLM"
 CHILD = r"""
 import json, sys
 
@@ -46,7 +46,7 @@ result = {"notes": []}
 try:
     # Nothing from upstream is imported before LLM(): vLLM enables breakable CUDA graphs while it
     # builds the config, and upstream modules imported earlier keep no graph breaks (the subclass
-    # refuses that; model/vllm_adapter/upstream_kernels.py). The subclass module also switches the
+    # refuses that; model/upstream/kernels.py). The subclass module also switches the
     # CuTe-DSL HC kernel off where its packages are missing.
     if early_import:
         import vllm.models.qwen4_exp.nvidia.model  # noqa: F401
@@ -287,12 +287,12 @@ def test_upstream_refuses_graphs_without_their_breaks(tmp_path):
 # Quantized weights and our PLE table formats through upstream, each against its bf16 twin holding
 # the dequantized values (power-of-two scales): the 3090's kernels (SM86_ENV, sm86_engine_args, as in
 # test_quant_marlin.py). The converter's default int4 group for qsa512 equals its 128-wide experts,
-# the shape where vLLM 0.32's Marlin MoE permuted w13 scales wrongly until model.vllm_fixes.
+# the shape where vLLM 0.32's Marlin MoE permuted w13 scales wrongly until model.runtime.vllm_fixes.
 QUANT_PAIRS = {
     "w4a16-experts": ("w4a16", "experts", None),
     "w4a16-all": ("w4a16", "all", None),
     "fp8-experts": ("fp8-block", "experts", None),
-    # The layouts AutoGPTQ and AutoAWQ publish (model.quantize_gptq_awq), experts and dense
+    # The layouts AutoGPTQ and AutoAWQ publish (model.tools.quantize_gptq_awq), experts and dense
     # projections alike: vLLM's auto_gptq / auto_awq configs, Marlin linears and Marlin MoE.
     "gptq-all": ("gptq", "all", None),
     "awq-all": ("awq", "all", None),
@@ -316,7 +316,7 @@ def short_prompts(path: Path) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("name", sorted(QUANT_PAIRS))
 def test_upstream_quantized_weights_equal_their_twin(name, tmp_path):
-    from model.quantize import convert_checkpoint
+    from model.tools.quantize import convert_checkpoint
     from tests.quant.parity import compare
 
     fmt, scope, group = QUANT_PAIRS[name]
@@ -356,7 +356,7 @@ def test_upstream_quantized_weights_equal_their_twin(name, tmp_path):
 def test_upstream_refuses_a_quantized_indexer(tmp_path):
     """An AWQ config that does not exclude the QSA indexer (as a checkpoint quantized by a tool
     that knows nothing of it would be) stops start-up naming the indexer, before any weight loads."""
-    from model.quantize import convert_checkpoint
+    from model.tools.quantize import convert_checkpoint
 
     ckpt = convert_checkpoint(
         ensure_checkpoint("qsa512"), tmp_path / "ckpt", "awq", scope="all", scales="pow2"
@@ -407,7 +407,7 @@ def diagnose_divergence(tmp_path: Path, ckpt: Path, fmt: str, problems: list[str
 
 @pytest.mark.parametrize("fmt", PLE_FORMATS)
 def test_upstream_reads_our_ple_table_formats(fmt, tmp_path):
-    from model.ple_quantize import convert_checkpoint
+    from model.tools.ple_quantize import convert_checkpoint
     from tests.quant.parity import compare
 
     src = ensure_checkpoint("qsa512")

@@ -580,9 +580,9 @@ def hc_launches(ops: dict[str, types.ModuleType]) -> Iterator[tuple[str, Launch]
 
 def product_launches(ops: dict[str, types.ModuleType]) -> Iterator[tuple[str, Launch]]:
     """Every QSA Triton kernel the served path launches on a 3090 for the real model, with the tiles
-    the product picks there (the indexer prefill tile from ``upstream_indexer_tiles``). The FP8 main
+    the product picks there (the indexer prefill tile from ``model.upstream.indexer_tiles``). The FP8 main
     cache is read by our kernel; upstream's FP8 kernels are not launched below sm_89."""
-    from model.vllm_adapter.upstream_indexer_tiles import prefill_tile
+    from model.upstream.indexer_tiles import prefill_tile
 
     rows, stages, warps = prefill_tile(
         INDEX_HEADS, INDEX_DIM, fp8=False, shared_limit=SM86_LIMIT, capability=SM86
@@ -613,7 +613,7 @@ MOE_BATCHES = (1, 16, 64, 256, 2048)  # tokens in a step: the default config's t
 RTX_3090_SMS = 82
 RTX_3090_MOE_NAME = "NVIDIA_GeForce_RTX_3090"  # vLLM's device name in its tuned-config file names
 PREFILL_TOKENS = 2048  # one sequence for the chunked GDN prefill: tiles do not depend on the length
-SHORT_PREFILL_TOKENS = 48  # below one FLA chunk: the recurrent kernels (model/vllm_adapter/upstream_gdn.py)
+SHORT_PREFILL_TOKENS = 48  # below one FLA chunk: the recurrent kernels (model/upstream/gdn.py)
 DECODE_BATCH = 16
 TP_SIZES = (1, 2, 4)
 TORCH_TO_TRITON = {
@@ -991,12 +991,12 @@ PLE_ROW_DIM = 128  # one table row: ple_embed_dim 2048 over (ngram_size - 1) x h
 def ple_served() -> Iterator[Served]:
     """Upstream's PLE Triton kernels (``vllm/models/qwen4_exp/common/ops/ple.py``: n-gram ids, gate,
     dilated short conv at a decode and a prefill with its state write-back; the pinned-table row copy
-    of ``common/ngram_embedding.py``) and our PLE gather (``model/kernels/ple_gather.py``, bf16, FP8
+    of ``common/ngram_embedding.py``) and our PLE gather (``model/ple/gather_kernel.py``, bf16, FP8
     and NVFP4 rows dequantised to bf16). None of them depends on the TP size (PLE is replicated)."""
     from vllm.models.qwen4_exp.common import ngram_embedding
     from vllm.models.qwen4_exp.common.ops import ple
 
-    from model.kernels import ple_gather as ours
+    from model.ple import gather_kernel as ours
 
     platform = ple.current_platform
     ple.current_platform = types.SimpleNamespace(is_arch_support_pdl=lambda: False)  # sm_86: no PDL

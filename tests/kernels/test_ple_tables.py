@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.ops import ple_uva
-from model.ops.ple_codes import E4M3_MAX, NVFP4_BLOCK, decode_e2m1, decode_e4m3
-from model.ops.ple_quantizers import quantize_fp8_rows, quantize_nvfp4_rows
-from model.ops.ple_storage import (
+from model.ple import uva as ple_uva
+from model.ple.codes import E4M3_MAX, NVFP4_BLOCK, decode_e2m1, decode_e4m3
+from model.ple.quantizers import quantize_fp8_rows, quantize_nvfp4_rows
+from model.ple.storage import (
     DevicePleStorage,
     PinnedHostPleStorage,
     make_storage,
     storage_from_table,
 )
-from model.ops.ple_tables import (
+from model.ple.tables import (
     FORMATS,
     PleTable,
     dequantize_rows,
@@ -319,7 +319,7 @@ def test_pinned_on_cuda_without_uva_raises(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_kernel_module_imports_without_gpu() -> None:
-    from model.kernels import ple_gather
+    from model.ple import gather_kernel as ple_gather
 
     assert ple_gather.is_supported("cuda:0") is False or torch.cuda.is_available()
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -331,8 +331,8 @@ def test_modules_import_and_work_without_triton() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "import torch\n"
-        "from model.kernels.ple_gather import is_supported\n"
-        "from model.ops.ple_storage import make_storage\n"
+        "from model.ple.gather_kernel import is_supported\n"
+        "from model.ple.storage import make_storage\n"
         "assert not is_supported('cpu') and not is_supported('cuda:0')\n"
         "st = make_storage('pinned', 'bf16', 0, 4, 16, device='cpu')\n"
         "st.load_rows(0, torch.ones(4, 16, dtype=torch.bfloat16))\n"
@@ -353,8 +353,8 @@ import json, os, sys, time
 os.environ["TRITON_INTERPRET"] = "1"
 t0 = time.time()
 import torch
-from model.kernels.ple_gather import is_supported, ple_gather
-from model.ops.ple_tables import lookup_raw_ref, lookup_ref, make_table, slice_table
+from model.ple.gather_kernel import is_supported, ple_gather
+from model.ple.tables import lookup_raw_ref, lookup_ref, make_table, slice_table
 
 assert is_supported("cpu"), "kernel not interpreted"
 results = {}

@@ -282,10 +282,10 @@ def test_kernel_matches_reference(kv_format: str, group: int, num_splits: int, i
 def test_kernel_reads_upstream_cache_layout_and_packed_selection(interpreted: bool) -> None:
     """vLLM's own Qwen4-Exp binds ``[blocks, kv_heads, page, 2*D]`` (K then V in the last dim) and
     packs the count as a trailing selection column; our subclass hands the kernel strided views of
-    both (``upstream_qsa_glue``). The kernel must read them as the loop over the definition does."""
+    both (``model.upstream.qsa_glue``). The kernel must read them as the loop over the definition does."""
     if not interpreted:
         return
-    from model.vllm_adapter.upstream_qsa_glue import cache_halves, split_packed_selection
+    from model.upstream.qsa_glue import cache_halves, split_packed_selection
 
     c = make_case(num_tokens=4, num_q_heads=4, num_kv_heads=2, width=24, counts=[24, 3, 0, 11], seed=5)
     _encode_case(c, "fp8_e4m3", 0.5, 0.25)

@@ -17,8 +17,8 @@ import sys
 
 
 def run_case(case: dict, torch, loader_api) -> dict:
-    from model.ops.ple_tables import lookup_ref
-    from model.ple_quantize import read_tables
+    from model.ple.tables import lookup_ref
+    from model.tools.ple_quantize import read_tables
 
     EngineArgs, set_current_vllm_config, get_model_loader, set_default_torch_dtype = loader_api
     saved = {k: os.environ.get(k) for k in case.get("env", {})}

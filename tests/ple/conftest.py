@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from model.ple_quantize import convert_checkpoint
+from model.tools.ple_quantize import convert_checkpoint
 from tests.conftest import ensure_checkpoint
 
 QUANTIZED = ("fp8_e4m3", "nvfp4")

@@ -2,7 +2,7 @@
 
 transformers cannot load fp8/nvfp4 PLE checkpoints, so the reference for each quantized
 checkpoint is vLLM running ``<fmt>-deq``: the same bf16 checkpoint with its PLE tables replaced by
-the values the quantized lookup produces (``python -m model.ple_quantize --dequantized``). Greedy
+the values the quantized lookup produces (``python -m model.tools.ple_quantize --dequantized``). Greedy
 tokens must be identical. The four engines also vary the storage mode (VLLM_PLE_CPU_OFFLOAD), the
 tensor parallelism (ETP: tables sharded by rows over the ranks) and the prefetch path
 (VLLM_PLE_PREFETCH=1 runs the early-lookup plumbing synchronously on CPU), so a fault in any of

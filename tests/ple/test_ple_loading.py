@@ -81,7 +81,7 @@ def _broken_cases(ck: dict[str, Path], tmp: Path) -> list[tuple[str, Path, dict,
             {},
             [
                 "checkpoint is missing " + SHARD.format(1) + ".weight_global_scale",
-                "python -m model.ple_quantize",
+                "python -m model.tools.ple_quantize",
             ],
         ),
         (
@@ -120,7 +120,7 @@ def _broken_cases(ck: dict[str, Path], tmp: Path) -> list[tuple[str, Path, dict,
             [
                 SHARD.format(0) + ".weight is torch.bfloat16",
                 "ple_embedding_dtype='fp8_e4m3' expects uint8 E4M3 codes",
-                "python -m model.ple_quantize --format fp8_e4m3",
+                "python -m model.tools.ple_quantize --format fp8_e4m3",
             ],
         ),
         (

@@ -16,18 +16,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model.envs import parse_flag
-from model.envs import ple_prefetch as prefetch_from_env
-from model.envs import ple_storage_mode as storage_mode_from_env
-from model.ops.ple_quantizers import fp8_global_scale, nvfp4_global_scale, table_amax
-from model.ops.ple_tables import (
+from model.ple.quantizers import fp8_global_scale, nvfp4_global_scale, table_amax
+from model.ple.tables import (
     dequantize_rows,
     lookup_ref,
     raw_row_bytes,
     shard_bounds,
     split_row_bytes,
 )
-from model.ple_quantize import convert_checkpoint, read_tables, table_format
+from model.runtime.envs import parse_flag
+from model.runtime.envs import ple_prefetch as prefetch_from_env
+from model.runtime.envs import ple_storage_mode as storage_mode_from_env
+from model.tools.ple_quantize import convert_checkpoint, read_tables, table_format
 
 REPO = Path(__file__).resolve().parents[2]
 FORMATS = ("bf16", "fp8_e4m3", "nvfp4")
@@ -65,7 +65,7 @@ def test_prefetch_env_defaults_to_cuda_only():
 
 
 def test_table_format_from_config():
-    from model.ple_format import table_format_of as resolve_table_format
+    from model.ple.format import table_format_of as resolve_table_format
 
     assert resolve_table_format(SimpleNamespace()) == "bf16"
     assert resolve_table_format(SimpleNamespace(ple_embedding_dtype="nvfp4")) == "nvfp4"
@@ -126,7 +126,7 @@ def test_conversion_cli(ple_checkpoints, tmp_path):
         [
             sys.executable,
             "-m",
-            "model.ple_quantize",
+            "model.tools.ple_quantize",
             "--format",
             "nvfp4",
             "--src",
@@ -158,7 +158,7 @@ def _config(path: Path):
 
 def _table(path: Path, fmt: str, rank: int, world: int, mode: str, layer: int = 1, **kw):
     """An NgramTable for ``rank`` of ``world`` loaded from checkpoint ``path`` via ``load_tensor``."""
-    from model.vllm_adapter.ple_layer import NgramTable
+    from model.ple.vllm_layer import NgramTable
 
     owner = OWNER.format(layer)
     table = NgramTable(
@@ -241,7 +241,7 @@ def test_table_reserves_prefetch_buffer_at_construction(ple_checkpoints):
 
 
 def test_lookup_before_global_scale_fails(ple_checkpoints):
-    from model.vllm_adapter.ple_layer import NgramTable
+    from model.ple.vllm_layer import NgramTable
 
     t = NgramTable(
         _config(ple_checkpoints["fp8_e4m3"]), 0, "l0", mode="pinned", device="cpu", tp_rank=0, tp_size=1
@@ -252,8 +252,8 @@ def test_lookup_before_global_scale_fails(ple_checkpoints):
 
 def test_pinned_mode_error_names_the_switch(monkeypatch, ple_checkpoints):
     """On a GPU without unified addressing, start-up fails and says how to keep tables on the GPU."""
-    from model.ops import ple_uva
-    from model.vllm_adapter.ple_layer import NgramTable
+    from model.ple import uva as ple_uva
+    from model.ple.vllm_layer import NgramTable
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ple_uva, "_UVA_OK", {})
@@ -296,7 +296,7 @@ class _FakePLE:
 
 
 def test_prefetcher_starts_each_lookup_one_layer_early():
-    from model.vllm_adapter.ple_layer import PLEPrefetcher
+    from model.ple.vllm_layer import PLEPrefetcher
 
     log: list[str] = []
     ples = [_FakePLE(0, log), None, _FakePLE(2, log), _FakePLE(3, log, prefetch=False), _FakePLE(4, log)]

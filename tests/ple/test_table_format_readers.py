@@ -3,8 +3,8 @@ refuses (and the quantizer too), for every kind of ``ple_embedding_dtype`` value
 
 Each case writes the real-size example config.json with the value and reads it the three ways
 the code does: the loader's (the HF config object vLLM builds, read by the function the PLE
-layer calls at construction), the quantizer's (``model.ple_quantize.table_format`` on the
-directory) and the planner's (``python -m model.planner``'s ``make_plan`` on the file).
+layer calls at construction), the quantizer's (``model.tools.ple_quantize.table_format`` on the
+directory) and the planner's (``python -m model.tools.planner``'s ``make_plan`` on the file).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from model import planner, ple_format, ple_quantize
-from model.vllm_adapter import ple_table
+from model.ple import format as ple_format
+from model.ple import vllm_table as ple_table
+from model.tools import planner, ple_quantize
 from tests.deploy.tools import EXAMPLE_CONFIG
 
 ABSENT = object()

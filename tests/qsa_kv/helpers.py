@@ -1,7 +1,7 @@
 """Helpers of the QSA FP8 KV tests: engine runs, metrics, merging dumps.
 
 The outlier variant of the tiny checkpoint (K/V beyond E4M3's +-448 with the same BF16 logits) is
-:func:`model.cases.make_outlier_checkpoint`, shared with ``bench/qsa_kv_accuracy.py``.
+:func:`model.tools.cases.make_outlier_checkpoint`, shared with ``bench/qsa_kv_accuracy.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from model.cases import V_FACTOR, make_outlier_checkpoint, qsa_layer_indices  # noqa: F401 (re-exported)
+from model.tools.cases import V_FACTOR, make_outlier_checkpoint, qsa_layer_indices  # noqa: F401 (re-exported)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from model.quantize import convert_checkpoint
+from model.tools.quantize import convert_checkpoint
 from tests.conftest import ROOT, ensure_checkpoint
 
 # name -> (preset, format, scope). Scales are powers of two, so every dequantized value is exact

@@ -35,8 +35,8 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # model built in this process
     checkpoint = sys.argv[1]
     result: dict = {}
-    from model.quant_checks import linear_kernel_name
-    from model.vllm_adapter import model as adapter
+    from model.adapter import model as adapter
+    from model.runtime.quant_checks import linear_kernel_name
 
     original = adapter.Qwen4ExpForCausalLM.load_weights
 

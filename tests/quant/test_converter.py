@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from model.quantize import EXPERT_RE, KEEP_RE, choose_group, convert_checkpoint, per_rank_shapes
+from model.tools.quantize import EXPERT_RE, KEEP_RE, choose_group, convert_checkpoint, per_rank_shapes
 
 from .conftest import CASES, COMPRESSED_TENSORS_CASES
 

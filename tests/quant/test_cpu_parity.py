@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.quantize import convert_checkpoint
+from model.tools.quantize import convert_checkpoint
 from tests.conftest import ROOT
 from tests.parity.prompts import parity_prompts
 
@@ -90,7 +90,7 @@ def test_fp8_experts_equal_dequantized_twin_on_amx_cpu(tmp_path_factory):
         [
             sys.executable,
             "-m",
-            "model.checkpoints",
+            "model.tools.checkpoints",
             "--preset",
             "qsa512",
             "--out",

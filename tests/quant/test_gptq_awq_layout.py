@@ -1,4 +1,4 @@
-"""The GPTQ and AWQ writers (``model.quantize_gptq_awq``) against an unpacker written here from the
+"""The GPTQ and AWQ writers (``model.tools.quantize_gptq_awq``) against an unpacker written here from the
 layouts' definitions: nibble order, the GPTQ v1 ``zero - 1`` convention and AWQ's interleaved column
 order. A writer that packed in the wrong order would still round-trip through vLLM's own packers,
 so the reference is independent of them."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.quantize_gptq_awq import quantize_native
+from model.tools.quantize_gptq_awq import quantize_native
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column 8*w + AWQ_ORDER[i]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.quantize import convert_checkpoint
+from model.tools.quantize import convert_checkpoint
 from tests.conftest import ensure_checkpoint
 from tests.parity.prompts import parity_prompts
 

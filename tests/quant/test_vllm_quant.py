@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.quantize import Plan, quantize_weight, scheme
+from model.tools.quantize import Plan, quantize_weight, scheme
 from tests.conftest import ROOT
 
 from .conftest import CASES, DENSE_INT4_CASES, cpu_library_has
@@ -45,7 +45,7 @@ def probe(path, *flags: str) -> dict:
 
 def _int4_moe_kernel_for(path) -> bool:
     """Whether vLLM's CPU int4 MoE kernel takes this checkpoint's experts on this host:
-    ``CPUExpertsInt4`` needs AMX and refuses 32-wide groups (``model.quant_checks.
+    ``CPUExpertsInt4`` needs AMX and refuses 32-wide groups (``model.runtime.quant_checks.
     explain_construction_error`` says why; ``wide``'s 96-wide experts get groups of 32)."""
     if not torch.cpu._is_amx_tile_supported():
         return False
@@ -322,10 +322,10 @@ def test_qwen_fp8_method_checkpoint_is_served_as_fp8_linears(quant_checkpoints, 
 
 
 def test_quantized_ple_tables_and_int4_experts_load_together(quant_checkpoints, tmp_path):
-    """The README's path: PLE tables to nvfp4 (model.ple_quantize), then the experts to int4; the
+    """The README's path: PLE tables to nvfp4 (model.tools.ple_quantize), then the experts to int4; the
     tables keep their own format and both load."""
-    from model.ple_quantize import convert_checkpoint as convert_ple
-    from model.quantize import convert_checkpoint
+    from model.tools.ple_quantize import convert_checkpoint as convert_ple
+    from model.tools.quantize import convert_checkpoint
 
     ple = convert_ple(quant_checkpoints["tiny"], tmp_path / "ple", "nvfp4")
     both = convert_checkpoint(ple, tmp_path / "ple-w4a16", "w4a16", scales="pow2")

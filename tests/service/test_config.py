@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from model import envs
+from model.runtime import envs
 from service import settings as settings_mod
 from tests.conftest import ROOT
 

@@ -40,7 +40,7 @@ def test_auto_is_decided_from_config_json_and_exported(tmp_path, monkeypatch, bu
     from transformers import Qwen4ExpTextConfig
     from vllm.platforms import current_platform
 
-    from model.checkpoints import preset_spec
+    from model.tools.checkpoints import preset_spec
 
     spec = {**preset_spec("real-4layer"), "indexer_budget": budget}
     Qwen4ExpTextConfig(**spec, eos_token_id=2, pad_token_id=0).save_pretrained(tmp_path)

@@ -53,7 +53,7 @@ def test_default_engine_config_is_align_mode(monkeypatch) -> None:
     ],
 )
 def test_ple_storage_reaches_upstreams_engram_config(monkeypatch, choice, offload, cpu_build, device, flag):
-    from model import cuda_model_choice
+    from model.runtime import cuda_model_choice
 
     monkeypatch.setattr(cuda_model_choice, "vllm_is_cpu_build", lambda: cpu_build)
     monkeypatch.setenv("QWEN4EXP_CUDA_MODEL", choice)

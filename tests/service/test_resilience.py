@@ -1,6 +1,6 @@
 """One request must not take the engine down; a busy engine stays ready; a broken one exits.
 
-Runs its own server with fault injection (``model.engine_guard``): a step whose input holds token
+Runs its own server with fault injection (``model.runtime.engine_guard``): a step whose input holds token
 ``FAULT`` raises inside the model, as a layer bug would; token ``FATAL`` raises a simulated CUDA
 error. The server also has a short readiness age, a 1 s probe timeout and 8 engine slots, so a
 readiness that needed a fresh probe generation would go red behind 32 long streams.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from model.checkpoints import PRESETS
+from model.tools.checkpoints import PRESETS
 
 
 def preset_config(name: str):

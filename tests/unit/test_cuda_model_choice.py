@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from model import cuda_model_choice as choice
-from model import envs
+from model.runtime import cuda_model_choice as choice
+from model.runtime import envs
 
 CLEAN_CONFIG = {
     "architectures": ["Qwen4ExpForCausalLM"],
@@ -56,13 +56,13 @@ def test_clean_cuda_deployment_has_no_problems(config):
     assert problems(config, kv_cache_dtype="fp8", capability=(8, 9)) == []
     assert problems(config, kv_cache_dtype="fp8_e4m3", capability=(9, 0)) == []
     assert problems(config, kv_cache_dtype="bfloat16") == []
-    # The FP8 main cache below sm_89 and our K/V features: our subclass carries them (upstream_qsa).
+    # The FP8 main cache below sm_89 and our K/V features: our subclass carries them (model.upstream.qsa).
     assert problems(config, kv_cache_dtype="fp8", capability=(8, 6)) == []
     assert problems(config, kv_cache_dtype="fp8_e4m3", capability=None) == []
     kv_env = {envs.QSA_KV_SCALES: "/s.json", envs.QSA_KV_COLLECT: "/tmp/c", envs.QSA_KV_CLIP_COUNT: "5"}
     assert problems(config, kv_env, kv_cache_dtype="fp8", capability=(8, 6)) == []
     assert problems(config, indexer_kv_dtype="fp8", capability=(9, 0)) == []
-    # Our PLE table formats: the subclass reads them (upstream_ple).
+    # Our PLE table formats: the subclass reads them (model.upstream.ple).
     assert problems({**config, "ple_embedding_dtype": "nvfp4"}) == []
     fp8_ple = {**CLEAN_CONFIG, "quantization_config": {"ple_embedding_dtype": "float8_e4m3fn"}}
     assert problems(fp8_ple) == []
@@ -137,19 +137,19 @@ def test_all_problems_are_reported_at_once():
 
 def test_registration_targets():
     ours = {
-        "Qwen4ExpForCausalLM": "model.vllm_adapter.model:Qwen4ExpForCausalLM",
-        "Qwen4ExpForConditionalGeneration": "model.vllm_adapter.model:Qwen4ExpForConditionalGeneration",
+        "Qwen4ExpForCausalLM": "model.adapter.model:Qwen4ExpForCausalLM",
+        "Qwen4ExpForConditionalGeneration": "model.adapter.model:Qwen4ExpForConditionalGeneration",
     }
     assert choice.registration_targets("ours", cpu_build=True) == ours
     assert choice.registration_targets("ours", cpu_build=False) == ours
     assert choice.registration_targets("upstream", cpu_build=False) == {
-        "Qwen4ExpForCausalLM": "model.vllm_adapter.upstream_cuda:Qwen4ExpForCausalLM",
-        "Qwen4ExpForConditionalGeneration": "model.vllm_adapter.upstream_cuda:Qwen4ExpForConditionalGeneration",
+        "Qwen4ExpForCausalLM": "model.upstream.model:Qwen4ExpForCausalLM",
+        "Qwen4ExpForConditionalGeneration": "model.upstream.model:Qwen4ExpForConditionalGeneration",
     }
     assert choice.registration_targets("upstream", cpu_build=True) == {
-        "Qwen4ExpForCausalLM": "model.vllm_adapter.upstream_cuda:Qwen4ExpForCausalLMRefusedOnCpuBuild",
+        "Qwen4ExpForCausalLM": "model.upstream.model:Qwen4ExpForCausalLMRefusedOnCpuBuild",
         "Qwen4ExpForConditionalGeneration": (
-            "model.vllm_adapter.upstream_cuda:Qwen4ExpForConditionalGenerationRefusedOnCpuBuild"
+            "model.upstream.model:Qwen4ExpForConditionalGenerationRefusedOnCpuBuild"
         ),
     }
     # auto: ours on the CPU build, upstream's subclasses on CUDA.
@@ -170,7 +170,7 @@ def test_plugin_registers_the_choice(monkeypatch):
     """``register()`` on this machine (vLLM's CPU build): ours by default, the stand-ins for upstream."""
     from vllm import ModelRegistry
 
-    from model import plugin
+    from model.runtime import plugin
 
     assert choice.vllm_is_cpu_build(), "these CPU tests run on vLLM's CPU build"
     registered = {}
@@ -259,7 +259,7 @@ def test_ple_storage_must_match_upstreams_engram_config():
 
 
 def test_index_heads_are_served_with_a_tile_that_fits_and_refused_only_when_none_does():
-    """Upstream's indexer prefill tile is sized for the GPU (model.vllm_adapter.upstream_indexer_tiles),
+    """Upstream's indexer prefill tile is sized for the GPU (model.upstream.indexer_tiles),
     so the real model's 16 heads of 128 are no problem on a 3090 or an H200; a shape that no tile
     fits still is."""
     config = {**CLEAN_CONFIG, "indexer_n_heads": 16, "indexer_head_dim": 128}

@@ -1,4 +1,4 @@
-"""``model.detokenize_prime`` against vLLM's own detokenizer, on the CPU: primed with the prompt's
+"""``model.runtime.detokenize_prime`` against vLLM's own detokenizer, on the CPU: primed with the prompt's
 last tokens, ``FastIncrementalDetokenizer`` must produce the same text, step by step, as primed with
 the whole prompt, for the kinds of decoder tokenizers has."""
 
@@ -10,8 +10,8 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from model import detokenize_prime
-from model.checkpoints import CORPUS, build_tokenizer
+from model.runtime import detokenize_prime
+from model.tools.checkpoints import CORPUS, build_tokenizer
 
 TEXT = "Grüße aus Köln: naïve café, 東京タワー, Ελληνικά, 🚀🦀 emoji and a zero-width joiner 👩‍💻. " + CORPUS
 
@@ -165,11 +165,11 @@ def test_install_refuses_another_vllm(monkeypatch):
 
 
 def test_the_plugin_installs_it_in_every_vllm_process(monkeypatch):
-    """vLLM runs ``model.plugin.register`` in the API server too (``EngineArgs``), where the output
+    """vLLM runs ``model.runtime.plugin.register`` in the API server too (``EngineArgs``), where the output
     processor detokenizes: the plugin is what installs the priming."""
     from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 
-    from model import plugin
+    from model.runtime import plugin
 
     detokenize_prime.install()
     unprimed = FastIncrementalDetokenizer.qwen4exp_unprimed_init
@@ -187,5 +187,7 @@ def test_install_refuses_a_changed_constructor(monkeypatch):
     monkeypatch.setattr(
         FastIncrementalDetokenizer, "__init__", lambda self, tokenizer, request, extra=None: None
     )
-    with pytest.raises(RuntimeError, match=r"changed its parameters: re-check model/detokenize_prime\.py"):
+    with pytest.raises(
+        RuntimeError, match=r"changed its parameters: re-check model/runtime/detokenize_prime\.py"
+    ):
         detokenize_prime.install()

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from model.engine_guard import MAX_CONSECUTIVE_FAILURES, is_fatal, stop_reason
+from model.runtime.engine_guard import MAX_CONSECUTIVE_FAILURES, is_fatal, stop_reason
 
 STEP = SimpleNamespace(num_scheduled_tokens={"a": 3, "b": 1})
 

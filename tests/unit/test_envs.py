@@ -1,4 +1,4 @@
-"""``model.envs``: every model variable declared once, parsed strictly, read the same everywhere."""
+"""``model.runtime.envs``: every model variable declared once, parsed strictly, read the same everywhere."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from model import envs
-from model.engine_guard import fault_injector
+from model.runtime import envs
+from model.runtime.engine_guard import fault_injector
 
 
 def test_every_variable_is_documented_and_unset_gives_its_default():

@@ -1,7 +1,7 @@
 """Our Gated DeltaNet layer on one-token prefills, through whichever CPU conv path this host takes.
 
 vLLM's CPU build picks its C++ causal-conv kernel on CPUs with AVX512-BF16 and a torch conv
-elsewhere; a one-token prefill used to crash the C++ kernel (see ``model/vllm_adapter/gdn.py``).
+elsewhere; a one-token prefill used to crash the C++ kernel (see ``model/adapter/gdn.py``).
 These tests run the real layer (``_gdn_harness``) and check, on every host:
 - the conv path that actually ran is the one this host's CPU flags select (named in the failure);
 - the tensor handed to the conv has the row stride the C++ kernel requires, for 1 and 5 tokens,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.ops.ngram_hash import layout_from_config, next_context, ngram_row_ids, token_windows
-from model.ops.ple import dilated_causal_conv, ple_gated_values
+from model.ple.ngram_hash import layout_from_config, next_context, ngram_row_ids, token_windows
+from model.ple.reference import dilated_causal_conv, ple_gated_values
 
 from .helpers import preset_config, randomize, tokens_with_eos
 

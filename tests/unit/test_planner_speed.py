@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from transformers import Qwen4ExpTextConfig
 
-from model.checkpoints import preset_spec
-from model.planner import load_config, weights_per_rank
-from model.planner_speed import (
+from model.tools.checkpoints import preset_spec
+from model.tools.planner import load_config, weights_per_rank
+from model.tools.planner_speed import (
     decode_bytes_per_step,
     estimate_rtx3090_tp4,
     expected_distinct_experts,
@@ -120,7 +120,7 @@ def test_planner_prints_the_estimate_beside_the_memory_table(tmp_path):
         [
             sys.executable,
             "-m",
-            "model.planner",
+            "model.tools.planner",
             str(FULL),
             "--speed",
             str(speed),

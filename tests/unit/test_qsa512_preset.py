@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from model.checkpoints import PRESETS, make_checkpoint
+from model.tools.checkpoints import PRESETS, make_checkpoint
 
 
 def test_qsa512_selects_512_blocks_and_loads(tmp_path):
@@ -41,7 +41,7 @@ def test_real_compute_preset_is_served_by_upstream_on_both_cards():
     import torch
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
-    from model.cuda_model_choice import problems_for_upstream
+    from model.runtime.cuda_model_choice import problems_for_upstream
 
     spec = PRESETS["real-compute"]
     written = {**spec, "eos_token_id": 2}  # make_checkpoint writes the tokenizer's EOS id

@@ -1,4 +1,4 @@
-"""``model.vllm_fixes`` against vLLM's own functions, on the CPU (the GPU pairs in
+"""``model.runtime.vllm_fixes`` against vLLM's own functions, on the CPU (the GPU pairs in
 ``tests/gpu/test_quant_marlin.py`` show the effect on tokens)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model import vllm_fixes
+from model.runtime import vllm_fixes
 
 
 def test_marlin_moe_w13_scales_get_the_grouped_permutation():

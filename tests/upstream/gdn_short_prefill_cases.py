@@ -1,4 +1,4 @@
-"""Cases for ``model.vllm_adapter.upstream_gdn``: a plain-torch gated delta rule and the batches the
+"""Cases for ``model.upstream.gdn``: a plain-torch gated delta rule and the batches the
 short-prefill path meets, shared by the CPU test (FLA's recurrent kernel under Triton's interpreter,
 in a child process: this file's ``__main__``) and the GPU judge (recurrent vs FLA's chunked kernel).
 
@@ -170,7 +170,7 @@ def _child() -> dict:
     _interpreted_fla()
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import ChunkGatedDeltaRule
 
-    from model.vllm_adapter import upstream_gdn
+    from model.upstream import gdn as upstream_gdn
 
     found: dict = {"cases": {}}
     for name, lengths in CASES:

@@ -17,7 +17,7 @@ from tests.kernels.sm86_compile import load_ops  # noqa: E402  (real Triton for 
 def main() -> None:
     ops = load_ops()["qsa_indexer"]
     upstream_launcher = ops._prefill_logits
-    from model.vllm_adapter import upstream_indexer_tiles as tiles
+    from model.upstream import indexer_tiles as tiles
 
     tiles._device_facts.cache_clear()
     tiles._tile_for.cache_clear()

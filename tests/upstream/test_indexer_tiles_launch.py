@@ -1,4 +1,4 @@
-"""Our indexer prefill launcher (``model.vllm_adapter.upstream_indexer_tiles``) with a 3090's tile
+"""Our indexer prefill launcher (``model.upstream.indexer_tiles``) with a 3090's tile
 gives upstream's scores: both launchers run upstream's kernel under Triton's interpreter and are
 compared with a torch reference of the score (sum over index heads of relu(k . q))."""
 

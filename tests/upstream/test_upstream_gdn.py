@@ -1,4 +1,4 @@
-"""``model.vllm_adapter.upstream_gdn`` on the CPU: FLA's recurrent kernel (Triton, interpreted) gives
+"""``model.upstream.gdn`` on the CPU: FLA's recurrent kernel (Triton, interpreted) gives
 the plain-torch gated delta rule for the batches a prefix-cache hit sends, and the patched
 ``ChunkGatedDeltaRule`` sends only batches shorter than one FLA chunk there.
 
@@ -73,7 +73,7 @@ def test_in_place_path_takes_only_short_prefill_batches():
     Triton prefill backend, switched on."""
     from types import SimpleNamespace
 
-    from model.vllm_adapter import upstream_gdn
+    from model.upstream import gdn as upstream_gdn
 
     layer = SimpleNamespace(gdn_prefill_backend="triton")
     tensor = object()
@@ -138,7 +138,7 @@ def test_switched_off_at_run_time_short_batches_take_the_chunked_kernel(found):
 
 def test_on_by_default_and_switched_off_by_zero():
     """Measured on the H200 before it became the default (docs/benchmarks.md); ``0`` turns it off."""
-    from model import envs
+    from model.runtime import envs
 
     assert envs.read(envs.GDN_SHORT_PREFILL, {}) is True
     assert envs.read(envs.GDN_SHORT_PREFILL, {envs.GDN_SHORT_PREFILL: "0"}) is False
@@ -149,7 +149,7 @@ def test_install_refuses_a_changed_upstream_signature(monkeypatch):
     one more) must stop the patch, not be called wrongly."""
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import ChunkGatedDeltaRule
 
-    from model.vllm_adapter import upstream_gdn
+    from model.upstream import gdn as upstream_gdn
 
     original = ChunkGatedDeltaRule.forward_native
 
@@ -171,7 +171,7 @@ def test_install_refuses_a_changed_forward_core_and_patches_nothing(monkeypatch)
         QwenGatedDeltaNetAttention,
     )
 
-    from model.vllm_adapter import upstream_gdn
+    from model.upstream import gdn as upstream_gdn
 
     def changed(self, mixed_qkv, b, a, core_attn_out, extra=None):
         raise AssertionError("never called")

@@ -1,11 +1,11 @@
-"""``model.vllm_adapter.upstream_kernels``: upstream's CuTe-DSL HC kernel is kept off, not crashed
+"""``model.upstream.kernels``: upstream's CuTe-DSL HC kernel is kept off, not crashed
 into, where its packages are missing (upstream's modules imported on the CPU build)."""
 
 from __future__ import annotations
 
 import pytest
 
-from model.vllm_adapter import upstream_kernels as K
+from model.upstream import kernels as K
 from tests.upstream.importer import import_upstream
 
 HC = import_upstream("vllm.models.qwen4_exp.nvidia.hyperconnection")

@@ -1,7 +1,7 @@
-"""Our FP8/NVFP4 PLE tables on upstream's Qwen4-Exp classes (``model.vllm_adapter.upstream_ple``), on CPU.
+"""Our FP8/NVFP4 PLE tables on upstream's Qwen4-Exp classes (``model.upstream.ple``), on CPU.
 
-Rows come from our converter (``model.ple_quantize.convert_checkpoint`` on the pinned ``wide``
-checkpoint); every lookup is compared bit for bit with ``model.ops.ple_tables.lookup_ref`` on the
+Rows come from our converter (``model.tools.ple_quantize.convert_checkpoint`` on the pinned ``wide``
+checkpoint); every lookup is compared bit for bit with ``model.ple.tables.lookup_ref`` on the
 same converted tables. Distributed groups are stand-ins (one process plays each ETP rank, the
 all-reduce is the byte sum NCCL would do); the pinned table's Triton copy kernel is replaced by a
 torch copy with the kernel's semantics, so its row geometry is checked, not the kernel (tests/gpu).
@@ -27,9 +27,9 @@ L = import_upstream("vllm.models.qwen4_exp.nvidia.ple_layer")
 from safetensors import safe_open  # noqa: E402
 from vllm.model_executor.layers.quantization import get_quantization_config  # noqa: E402
 
-from model.ops.ple_tables import lookup_ref  # noqa: E402
-from model.ple_quantize import convert_checkpoint, read_tables  # noqa: E402
-from model.vllm_adapter import upstream_ple as UP  # noqa: E402
+from model.ple.tables import lookup_ref  # noqa: E402
+from model.tools.ple_quantize import convert_checkpoint, read_tables  # noqa: E402
+from model.upstream import ple as UP  # noqa: E402
 from tests.conftest import ensure_checkpoint  # noqa: E402
 
 OWNER = "model.layers.{i}.ple.ple_embedding"
@@ -88,7 +88,7 @@ def groups(monkeypatch, installed):
 
 @pytest.fixture
 def installed(monkeypatch):
-    """``upstream_ple.install()`` for one test; monkeypatch puts upstream's originals back afterwards."""
+    """``model.upstream.ple.install()`` for one test; monkeypatch puts upstream's originals back afterwards."""
     method_cls = C.Qwen4ExpPLEEmbeddingMethod
     monkeypatch.setattr(method_cls, "from_quant_config", method_cls.__dict__["from_quant_config"])
     monkeypatch.setattr(L, "Qwen4ExpNGramEmbedding", L.Qwen4ExpNGramEmbedding)

@@ -1,4 +1,4 @@
-"""Our FP8 QSA path on upstream's QSA layer (``model.vllm_adapter.upstream_qsa``), on the CPU.
+"""Our FP8 QSA path on upstream's QSA layer (``model.upstream.qsa``), on the CPU.
 
 What runs here: the glue between upstream's cache layout / packed selection and our encoder, scales,
 statistics and reference reader, against loops written from the definition; our impl's two methods
@@ -22,7 +22,7 @@ from model.qsa_kv import state as state_mod
 from model.qsa_kv.runtime import QSAKVRuntime
 from model.qsa_kv.settings import FP8_E4M3, QSAKVSettings
 from model.qsa_kv.state import QSAKVState
-from model.vllm_adapter import upstream_qsa_glue as glue
+from model.upstream import qsa_glue as glue
 from tests.upstream.importer import import_upstream
 
 LAYER = "model.layers.3.self_attn"
@@ -170,7 +170,7 @@ def test_checkpoint_scales_must_agree_with_the_served_ones(tmp_path, runtime):
 
 @pytest.fixture(scope="module")
 def upstream_qsa():
-    return import_upstream("model.vllm_adapter.upstream_qsa")
+    return import_upstream("model.upstream.qsa")
 
 
 def test_impl_methods_write_and_read_through_our_fp8_path(tmp_path, runtime, upstream_qsa):
@@ -289,9 +289,9 @@ def test_indexer_projection_separate_with_quantization_or_when_asked(upstream_qs
 
 def test_the_subclass_reads_every_ple_format_ours_reads():
     """What lets ``problems_for_upstream`` accept every well-formed PLE table format."""
-    from model import ple_format
+    from model.ple import format as ple_format
 
-    upstream_ple = import_upstream("model.vllm_adapter.upstream_ple")
+    upstream_ple = import_upstream("model.upstream.ple")
     assert tuple(upstream_ple.supported_ple_formats()) == ple_format.FORMATS == ("bf16", "fp8_e4m3", "nvfp4")
 
 
@@ -301,27 +301,27 @@ def test_cuda_branch_of_the_upstream_module_imports_and_installs(monkeypatch):
     import importlib
     import sys
 
-    import model.cuda_model_choice as choice
+    import model.runtime.cuda_model_choice as choice
 
     import_upstream("vllm.models.qwen4_exp.nvidia.model")
     import vllm.models.qwen4_exp.nvidia.model as upstream_model
     import vllm.models.qwen4_exp.nvidia.ple_layer as upstream_ple_layer
 
     monkeypatch.setattr(choice, "vllm_is_cpu_build", lambda: False)
-    monkeypatch.delitem(sys.modules, "model.vllm_adapter.upstream_cuda", raising=False)
+    monkeypatch.delitem(sys.modules, "model.upstream.model", raising=False)
     monkeypatch.setattr(upstream_model, "Qwen4ExpQSAAttention", upstream_model.Qwen4ExpQSAAttention)
     monkeypatch.setattr(
         upstream_ple_layer, "Qwen4ExpNGramEmbedding", upstream_ple_layer.Qwen4ExpNGramEmbedding
     )
-    cuda_module = importlib.import_module("model.vllm_adapter.upstream_cuda")
+    cuda_module = importlib.import_module("model.upstream.model")
     try:
         assert issubclass(cuda_module.Qwen4ExpForCausalLM, upstream_model.Qwen4ExpForCausalLM)
         for cls in (cuda_module.Qwen4ExpForCausalLM, cuda_module.Qwen4ExpForConditionalGeneration):
             assert cls.packed_modules_mapping["qkv_proj"] == ["q_proj", "k_proj", "v_proj"]
         assert upstream_model.Qwen4ExpQSAAttention.__name__ == "Qwen4ExpQSAAttentionSm86"
-        assert upstream_ple_layer.Qwen4ExpNGramEmbedding.__module__ == "model.vllm_adapter.upstream_ple"
+        assert upstream_ple_layer.Qwen4ExpNGramEmbedding.__module__ == "model.upstream.ple"
     finally:
-        sys.modules.pop("model.vllm_adapter.upstream_cuda", None)
+        sys.modules.pop("model.upstream.model", None)
 
 
 def test_indexer_gemma_norm_runs_on_vllms_op_while_the_indexer_runs(upstream_qsa, monkeypatch):

@@ -5,8 +5,11 @@ graphs and prefix caching on (the service's defaults), BF16 and FP8 QSA caches.
 The CPU test (``tests/pressure/test_preemption_parity.py``) explains the method: a KV pool so
 small (``num_gpu_blocks_override``) that requests whose prompts end just short of a block
 boundary must be preempted once decoding crosses it; every request runs alone first, then all
-together; vLLM's preemption counter must move and every request must pass
-``tests.pressure.parity``'s comparison with its lone run. On CUDA the scheduler block and the
+together; vLLM's preemption counter must move. On ``qsa512`` bf16 alone moves a recomputed
+request's log-probabilities by tenths of a nat (the child measures it: each lone run's tokens
+recomputed as one prefill, no preemption), so the batch is judged against transformers in float32
+(``tests.pressure.fp32_judge``): as close to it as the lone runs are, or as transformers-bf16 is;
+the comparison with the lone runs is printed beside it. On CUDA the scheduler block and the
 number of state groups depend on the kernels vLLM picks, so the child reads the block size from
 the engine and tries a few pool sizes, from the smallest, until one holds a request of
 ``max_model_len`` (smaller pools fail at start-up with vLLM's "to serve at least one request").
@@ -27,7 +30,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ensure_checkpoint
-from tests.pressure.parity import compare, problems, summary
+from tests.pressure.fp32_judge import judge
+from tests.pressure.parity import compare, summary
 
 pytestmark = pytest.mark.vllm_cuda
 
@@ -76,6 +80,7 @@ try:
     result["preemptions"] = preempt() - before
     result["cached"] = sum(o.num_cached_tokens or 0 for o in outs)
     to_json = lambda run: [run[0], [{str(t): lp for t, lp in step.items()} for step in run[1]]]
+    result["prompts"] = prompts
     result["alone"] = [to_json(r) for r in alone]
     result["together"] = [to_json(plain(o.outputs[0])) for o in outs]
     # Control: each lone run's tokens recomputed as one prefill (what a preempted request goes
@@ -139,19 +144,21 @@ def from_json(run: list) -> tuple[list[int], list[dict[int, float]]]:
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
 def test_preempted_requests_match_their_lone_runs_served_path(cache: str, tmp_path: Path) -> None:
     got = run_child(tmp_path, {"kv_cache_dtype": "fp8"} if cache == "fp8" else {})
-    verdicts = [
-        compare(from_json(a), from_json(t)) for a, t in zip(got["alone"], got["together"], strict=True)
-    ]
+    alone = [from_json(a) for a in got["alone"]]
+    together = [from_json(t) for t in got["together"]]
+    verdicts = [compare(a, t) for a, t in zip(alone, together, strict=True)]
+    verdict = judge(ensure_checkpoint("qsa512"), got["prompts"], alone, together, device="cuda")
     print(
         f"preemption parity CUDA {cache} ({got['model_class']}, graphs, prefix caching): {REQUESTS} "
         f"requests x {MAX_NEW_TOKENS} tokens, {got['blocks']} KV blocks of {got['block_size']} tokens "
         f"(pools tried first: {[b for b, _ in got['tried']]}), {got['preemptions']:.0f} preemptions, "
-        f"{got['cached']} cached prompt tokens; {summary(verdicts)}"
+        f"{got['cached']} cached prompt tokens; batch vs lone: {summary(verdicts)}"
     )
-    assert got["model_class"] == "model.upstream.model.Qwen4ExpForCausalLM"
-    assert got["preemptions"] > 0, "the batch never ran out of KV blocks: the test exercised nothing"
     control = got["recompute_drift"]
     print(f"recomputing each lone run as one prefill, no preemption: drift {[round(d, 3) for d in control]}")
-    # A preempted request is recomputed as one prefill: it cannot be closer to its lone run than a
-    # recompute of the same tokens in the same engine is, so each request may drift that much more.
-    assert not problems(verdicts, REQUESTS // 4, control), problems(verdicts, REQUESTS // 4, control)
+    print(verdict.line())
+    assert got["model_class"] == "model.upstream.model.Qwen4ExpForCausalLM"
+    assert got["preemptions"] > 0, "the batch never ran out of KV blocks: the test exercised nothing"
+    # bf16 moves a recomputed request's log-probabilities by tenths of a nat on this checkpoint
+    # (the control above; tests/pressure/fp32_judge.py): the judge is float32, pooled.
+    assert not verdict.problems, verdict.problems

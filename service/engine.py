@@ -288,6 +288,44 @@ def default_model_runner() -> None:
     os.environ[cuda_model_choice.V2_RUNNER] = "1" if cuda_model_choice.chosen() == "upstream" else "0"
 
 
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_NAME = "qwen4exp"  # pyproject.toml, [project.entry-points."vllm.general_plugins"]
+
+
+def plugin_problem(env: dict[str, str] | None = None) -> str | None:
+    """Why vLLM would start without this project's plugin, or None.
+
+    vLLM loads general plugins from installed entry points, filtered by ``VLLM_PLUGINS``, and only
+    logs a plugin that fails to import: the engine would then serve vLLM's own Qwen4-Exp without
+    the RTX 3090's parts (or fail later, far from the cause). A stale install is the usual reason
+    (an entry point naming a module this checkout no longer has)."""
+    from importlib.metadata import entry_points
+
+    env = os.environ if env is None else env
+    allowed = env.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN_NAME not in [name.strip() for name in allowed.split(",")]:
+        return (
+            f"VLLM_PLUGINS={allowed!r} leaves out this project's vLLM plugin {PLUGIN_NAME!r}; "
+            f"fix: unset VLLM_PLUGINS or add {PLUGIN_NAME} to it"
+        )
+    found = [ep for ep in entry_points(group=PLUGIN_GROUP) if ep.name == PLUGIN_NAME]
+    if not found:
+        return (
+            f"no vLLM plugin named {PLUGIN_NAME!r} is installed ({PLUGIN_GROUP} entry points); fix: install "
+            "this project (pip install -e . in a checkout, or use the image)"
+        )
+    for ep in found:
+        try:
+            ep.load()
+        except Exception as exc:  # noqa: BLE001 - any import failure is the finding
+            return (
+                f"this project's vLLM plugin entry point '{PLUGIN_NAME} = {ep.value}' cannot be loaded "
+                f"({type(exc).__name__}: {exc}); fix: reinstall this project (pip install -e ., or rebuild "
+                "the offline bundle) so that its entry point matches the code"
+            )
+    return None
+
+
 def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namespace]:
     """Device, vLLM config and vLLM args; every problem found is reported together."""
     problems = []
@@ -298,6 +336,8 @@ def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namesp
         device = platform_device()  # still check the rest against the platform we have
     if (kv_problem := kv_cache_size_problem(settings, device)) is not None:
         problems.append(kv_problem)
+    if (missing_plugin := plugin_problem()) is not None:
+        problems.append(missing_plugin)
     args = parse_args(cli_args(settings, device))
     from model.runtime.envs import EnvError
 

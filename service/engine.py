@@ -292,21 +292,24 @@ PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "qwen4exp"  # pyproject.toml, [project.entry-points."vllm.general_plugins"]
 
 
-def plugin_problem(env: dict[str, str] | None = None) -> str | None:
+def plugin_problem() -> str | None:
     """Why vLLM would start without this project's plugin, or None.
 
     vLLM loads general plugins from installed entry points, filtered by ``VLLM_PLUGINS``, and only
     logs a plugin that fails to import: the engine would then serve vLLM's own Qwen4-Exp without
     the RTX 3090's parts (or fail later, far from the cause). A stale install is the usual reason
-    (an entry point naming a module this checkout no longer has)."""
+    (an entry point naming a module this checkout no longer has). ``VLLM_PLUGINS`` is read by
+    vLLM's own parser, so the check and the engine agree on it."""
     from importlib.metadata import entry_points
 
-    env = os.environ if env is None else env
-    allowed = env.get("VLLM_PLUGINS")
-    if allowed is not None and PLUGIN_NAME not in [name.strip() for name in allowed.split(",")]:
+    from vllm import envs as vllm_envs
+
+    allowed = vllm_envs.environment_variables["VLLM_PLUGINS"]()  # uncached: the environment as it is now
+    if allowed is not None and PLUGIN_NAME not in allowed:
         return (
-            f"VLLM_PLUGINS={allowed!r} leaves out this project's vLLM plugin {PLUGIN_NAME!r}; "
-            f"fix: unset VLLM_PLUGINS or add {PLUGIN_NAME} to it"
+            f"VLLM_PLUGINS={os.environ['VLLM_PLUGINS']!r} leaves out this project's vLLM plugin {PLUGIN_NAME!r} "
+            f"(vLLM splits it at commas and matches each name exactly); fix: unset VLLM_PLUGINS or add "
+            f"{PLUGIN_NAME} to it"
         )
     found = [ep for ep in entry_points(group=PLUGIN_GROUP) if ep.name == PLUGIN_NAME]
     if not found:

@@ -10,25 +10,31 @@ import pytest
 from service import engine
 
 
-def test_the_installed_plugin_loads():
-    assert engine.plugin_problem({}) is None
-    assert engine.plugin_problem({"VLLM_PLUGINS": "other, qwen4exp"}) is None
+def test_the_installed_plugin_loads(monkeypatch):
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert engine.plugin_problem() is None
+    monkeypatch.setenv("VLLM_PLUGINS", "other,qwen4exp")
+    assert engine.plugin_problem() is None
 
 
-@pytest.mark.parametrize("value", ["", "none", "other"])
-def test_vllm_plugins_leaving_ours_out_is_refused(value):
-    problem = engine.plugin_problem({"VLLM_PLUGINS": value})
+@pytest.mark.parametrize("value", ["", "none", "other", "other, qwen4exp"])
+def test_vllm_plugins_leaving_ours_out_is_refused(monkeypatch, value):
+    # "other, qwen4exp": vLLM matches " qwen4exp" (with its space), so it would not load ours.
+    monkeypatch.setenv("VLLM_PLUGINS", value)
+    problem = engine.plugin_problem()
     assert problem and "VLLM_PLUGINS" in problem and "add qwen4exp" in problem
 
 
 def test_a_stale_entry_point_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     stale = EntryPoint(name="qwen4exp", value="model.plugin:register", group=engine.PLUGIN_GROUP)
     monkeypatch.setattr("importlib.metadata.entry_points", lambda group: [stale])
-    problem = engine.plugin_problem({})
+    problem = engine.plugin_problem()
     assert "'qwen4exp = model.plugin:register' cannot be loaded" in problem
     assert "ModuleNotFoundError" in problem and "reinstall this project" in problem
 
 
 def test_no_entry_point_is_refused(monkeypatch):
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     monkeypatch.setattr("importlib.metadata.entry_points", lambda group: [])
-    assert "no vLLM plugin named 'qwen4exp' is installed" in engine.plugin_problem({})
+    assert "no vLLM plugin named 'qwen4exp' is installed" in engine.plugin_problem()

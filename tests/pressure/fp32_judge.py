@@ -55,17 +55,24 @@ class Judgement:
 def generated_references(
     checkpoint: str | Path,
     prompts: Sequence[Sequence[int]],
-    runs: Sequence[Run],
+    run_sets: Sequence[Sequence[Run]],
     dtype: torch.dtype,
     device: str,
-) -> list[Reference]:
-    """transformers teacher-forced over prompt + generated tokens, kept at the positions that
-    predict the generated tokens."""
-    seqs = [list(p) + list(tokens) for p, (tokens, _) in zip(prompts, runs, strict=True)]
-    refs = transformers_token_logprobs(checkpoint, seqs, dtype, device)
+) -> list[list[Reference]]:
+    """transformers teacher-forced over prompt + generated tokens of each set of runs, kept at the
+    positions that predict the generated tokens. One model load for all sets, and a sequence that
+    several sets share (a request that kept its lone run's tokens) is computed once."""
+    sets = [
+        [tuple(p) + tuple(tokens) for p, (tokens, _) in zip(prompts, runs, strict=True)] for runs in run_sets
+    ]
+    unique = list(dict.fromkeys(seq for seqs in sets for seq in seqs))
+    computed = dict(zip(unique, transformers_token_logprobs(checkpoint, unique, dtype, device), strict=True))
     return [
-        Reference(r.logprobs[len(p) - 1 :], r.argmax[len(p) - 1 :], r.margin[len(p) - 1 :])
-        for p, r in zip(prompts, refs, strict=True)
+        [
+            Reference(r.logprobs[len(p) - 1 :], r.argmax[len(p) - 1 :], r.margin[len(p) - 1 :])
+            for p, r in zip(prompts, (computed[seq] for seq in seqs), strict=True)
+        ]
+        for seqs in sets
     ]
 
 
@@ -88,9 +95,8 @@ def judge(
     together: Sequence[Run],
     device: str = "cpu",
 ) -> Judgement:
-    ref_batch = generated_references(checkpoint, prompts, together, torch.float32, device)
-    ref_lone = generated_references(checkpoint, prompts, alone, torch.float32, device)
-    bf16_batch = generated_references(checkpoint, prompts, together, torch.bfloat16, device)
+    ref_batch, ref_lone = generated_references(checkpoint, prompts, [together, alone], torch.float32, device)
+    [bf16_batch] = generated_references(checkpoint, prompts, [together], torch.bfloat16, device)
     batch = fidelity(ref_batch, observed(together))
     lone = fidelity(ref_lone, observed(alone))
     yardstick = fidelity(ref_batch, as_observed(bf16_batch))

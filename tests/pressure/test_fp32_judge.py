@@ -50,7 +50,7 @@ def test_the_judge_passes_float32_and_fails_a_moved_or_flipped_batch():
 
     # Another token at every decisive position of the first request (the runs keep their
     # float32 log-probabilities: only the choice is wrong).
-    refs = generated_references(path, prompts, runs, torch.float32, "cpu")
+    [refs] = generated_references(path, prompts, [runs], torch.float32, "cpu")
     tokens, lps = runs[0]
     decisive = (refs[0].margin > DECISIVE_MARGIN).tolist()
     assert any(decisive)

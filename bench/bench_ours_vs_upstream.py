@@ -350,9 +350,9 @@ def engine_child(spec: dict) -> dict:
         # Qwen4-Exp, or the modules keep no graph breaks (model/upstream/kernels.py).
         if not IMPLS[spec["impl"]][1]:
             os.environ.setdefault("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
-        from model.upstream.kernels import disable_cute_dsl_hc_if_missing
+        from model.upstream.kernels import disable_cute_dsl_hc
 
-        note = disable_cute_dsl_hc_if_missing()
+        note = disable_cute_dsl_hc()
         if note:
             result["notes"].append(note)
 

@@ -27,6 +27,14 @@ Variants, one engine per variant and expert format, each in its own process:
   Runner V2, Triton GDN prefill, CUDA graphs);
 * ``upstream``: vLLM's own Qwen4-Exp with no plugin loaded (``VLLM_PLUGINS`` set to an empty name,
   which matches no entry point), same engine arguments. Where it cannot start, its error is recorded.
+  On sm_90 it selects a CuTe-DSL hyper-connection kernel that needs ``nvidia-cutlass-dsl`` and that
+  an RTX 3090 never selects; ``--in-process`` runs every engine's core in its bench process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that upstream can be given the 3090's hyper-connection
+  path, as the served variant has under ``QWEN4EXP_FORCE_SM86``.
+
+With ``--parallel`` every engine starts at once; each holds a lock file shared while it starts and
+exclusively while it times (``--timing-lock``), so no engine is timed while another still starts or
+times: an engine's start is minutes of compilation and CUDA-graph capture, its timing seconds.
 
 Throughput: ``batch`` requests of a 16-token prompt, ``--new-tokens`` each (``ignore_eos``,
 greedy, no detokenization: the dummy model's tokens are outside the small tokenizer), all submitted
@@ -42,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import fcntl
 import json
@@ -181,6 +190,21 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     graphs = spec["graphs"]
     sizes = sorted(set([1, 2, 4, 8, 16, 32, 64] + spec["batches"]))
+    if spec.get("sm86_hc"):
+        # vLLM's own model with the hyper-connection path an RTX 3090 takes, as the served variant
+        # has under QWEN4EXP_FORCE_SM86 (the CuTe-DSL kernel is sm_90+ only): this engine's core
+        # runs in this process, so the switch reaches the model it builds. It imports upstream
+        # before LLM(), so breakable graphs are enabled first, as vLLM's config would for Qwen4-Exp:
+        # upstream decides its graph breaks at import (model/upstream/kernels.py), and without them
+        # its GDN/QSA/PLE calls would be captured into the graphs and the engine timed would be a
+        # different, wrong one.
+        if spec["graphs"]:
+            os.environ.setdefault("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+        from model.upstream.kernels import disable_cute_dsl_hc, refuse_missing_graph_breaks
+
+        disable_cute_dsl_hc(force_sm86=True)
+        refuse_missing_graph_breaks()
+    turn = TimingTurn(spec.get("timing_lock"))
     t0 = time.perf_counter()
     llm = LLM(
         model=spec["model"],
@@ -207,26 +231,37 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling bench's timing loop
     from bench_engine_gpu import time_engine
 
-    with timing_turn(spec.get("timing_lock")):
+    with turn.timing():
         result["tps"], result["ttft_ms"] = time_engine(
             llm, spec["batches"], spec["ttft"], spec["new_tokens"], spec["repeats"]
         )
     return result
 
 
-@contextlib.contextmanager
-def timing_turn(lock_path: str | None):
-    """Hold an exclusive lock on ``lock_path`` (if given) while timing: several bench processes on
-    one GPU can then build their engines at the same time and still time one at a time."""
-    if not lock_path:
-        yield
-        return
-    with open(lock_path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+class TimingTurn:
+    """A lock file held shared from the process's start and exclusively while it times.
+
+    Several engines on one GPU then start side by side, and none is timed while any other holder
+    still starts (or runs anything else holding the file shared, e.g. ``flock -s FILE cmd``):
+    taking the exclusive lock waits for every shared holder, so the timings run one after
+    another, each on an otherwise idle GPU. Without a path it does nothing.
+    """
+
+    def __init__(self, lock_path: str | None) -> None:
+        self._fh = open(lock_path, "a") if lock_path else None  # noqa: SIM115 - held for the process's life
+        if self._fh:
+            fcntl.flock(self._fh, fcntl.LOCK_SH)
+
+    @contextlib.contextmanager
+    def timing(self):
+        if not self._fh:
+            yield
+            return
+        fcntl.flock(self._fh, fcntl.LOCK_EX)  # gives up the shared lock first, then waits for all others'
         try:
             yield
         finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            fcntl.flock(self._fh, fcntl.LOCK_UN)
 
 
 def run_child(spec: dict[str, Any], spec_path: Path, timeout_s: float) -> dict[str, Any]:
@@ -368,8 +403,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--timing-lock",
         metavar="FILE",
-        help="time only while holding an exclusive lock on FILE (benches started side by side build their "
-        "engines in parallel and time in turn)",
+        help="engines hold FILE shared while they start and exclusively while they time: benches (and other "
+        "jobs under flock -s FILE) started side by side then build in parallel and time in turn on an idle GPU",
+    )
+    p.add_argument(
+        "--parallel",
+        action="store_true",
+        help="start every engine at once and time them in turn once all have started (needs "
+        "--kv-cache-bytes; a lock file in the temporary directory unless --timing-lock names one)",
+    )
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="every engine's core in its front end's process, and upstream with the hyper-connection "
+        "kernels an RTX 3090 takes (its CuTe-DSL one is sm_90+ only and needs nvidia-cutlass-dsl)",
     )
     p.add_argument("--child-timeout", type=float, default=1800.0, help="seconds per engine process")
     p.add_argument("--json", help="write every number here (input of python -m model.tools.planner --speed)")
@@ -414,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides[field] = json.loads(value)
         except json.JSONDecodeError as exc:
             p.error(f"--set {item!r}: the value is not JSON ({exc})")
+    if args.parallel and not args.kv_cache_bytes:
+        p.error("--parallel needs --kv-cache-bytes: vLLM's memory profiling fails while other engines start")
     batches = [int(x) for x in args.batches.split(",")]
     ttft = [int(x) for x in args.ttft.split(",")]
     report: dict[str, Any] = {
@@ -432,13 +481,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(args.keep_checkpoints) if args.keep_checkpoints else Path(tmp)
+        lock = args.timing_lock or (str(Path(tmp) / "timing.lock") if args.parallel else None)
+        jobs: list[tuple[dict[str, Any], int]] = []
         for fmt in experts:
             ckpt = write_checkpoint(args.preset, base / f"{args.preset}-{fmt}", fmt, overrides)
             nbytes = step_bytes(ckpt, fmt)
             for variant in variants:
                 env, unset = child_env(variant, args.cpu)
+                if args.in_process:
+                    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
                 spec = {
                     "variant": variant,
+                    "experts": fmt,
                     "model": str(ckpt),
                     "env": env,
                     "unset": unset,
@@ -449,18 +503,29 @@ def main(argv: list[str] | None = None) -> int:
                     "repeats": args.repeats,
                     "gpu_memory_utilization": args.gpu_memory_utilization,
                     "kv_cache_bytes": args.kv_cache_bytes,
-                    "timing_lock": args.timing_lock,
+                    "timing_lock": lock,
+                    "sm86_hc": args.in_process and variant == "upstream",
                     "out": str(Path(tmp) / f"{variant}-{fmt}.json"),
                 }
-                r = run_child(spec, Path(tmp) / f"{variant}-{fmt}_spec.json", args.child_timeout)
-                r.update(variant=variant, experts=fmt, bytes_per_step=nbytes, env=env)
-                if r.get("ok"):
-                    step = 1.0 / r["tps"]["1"] if r["tps"].get("1") else None
-                    r["step_ms"] = step * 1e3 if step else None
-                    r["hbm_fraction"] = nbytes / step / (args.hbm_gbps * 1e9) if step else None
-                else:
-                    print(f"{variant}/{fmt}: engine failed: {r['error']}", file=sys.stderr)
-                report["results"].append(r)
+                jobs.append((spec, nbytes))
+
+        def one(job: tuple[dict[str, Any], int]) -> dict[str, Any]:
+            spec, nbytes = job
+            r = run_child(spec, Path(spec["out"]).with_suffix(".spec.json"), args.child_timeout)
+            r.update(variant=spec["variant"], experts=spec["experts"], bytes_per_step=nbytes, env=spec["env"])
+            if r.get("ok"):
+                step = 1.0 / r["tps"]["1"] if r["tps"].get("1") else None
+                r["step_ms"] = step * 1e3 if step else None
+                r["hbm_fraction"] = nbytes / step / (args.hbm_gbps * 1e9) if step else None
+            else:
+                print(f"{spec['variant']}/{spec['experts']}: engine failed: {r['error']}", file=sys.stderr)
+            return r
+
+        if args.parallel:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+                report["results"] = list(pool.map(one, jobs))
+        else:
+            report["results"] = [one(job) for job in jobs]
 
     text = render(report)
     print(text)

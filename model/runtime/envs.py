@@ -295,7 +295,8 @@ VARIABLES: tuple[EnvVar, ...] = (
         "`0`",
         "`1` makes a newer NVIDIA GPU (an H100/H200) take every choice an RTX 3090 takes: Triton/FLA "
         "GDN prefill, Marlin for FP8 weights, kernel tiles sized for 101,376 bytes of shared memory per "
-        "block (`model/runtime/sm86.py`). For testing the 3090's paths where no 3090 is at hand.",
+        "block, no CuTe-DSL hyper-connection kernel (`model/runtime/sm86.py`). For testing the 3090's "
+        "paths where no 3090 is at hand.",
         "use 1 or 0 (true/false, yes/no, on/off), or unset it (0)",
     ),
     EnvVar(

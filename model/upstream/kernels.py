@@ -4,11 +4,12 @@ break points were installed.
 Why: on sm_90+ upstream's hyper-connection picks a CuTe-DSL "down projection + SiLU" kernel for
 1-48 tokens, and both its warm-up and its first call import ``cutlass.cute`` (``nvidia-cutlass-dsl``)
 and ``quack`` (``quack-kernels``). ``pip install vllm==0.32.*`` brings both, so the image has them;
-an environment assembled without them (our GPU test bundle, a ``--no-deps`` install) cannot start
+an environment assembled without them (an offline bundle, a ``--no-deps`` install) cannot start
 the engine at all. Where they are missing, the same merged projection then runs through vLLM's
 linear layer and upstream's own SiLU, which is upstream's path for every other batch size; the
 numbers are the same GEMM in another kernel. A warning says so. An RTX 3090 (sm_86) never selects
-the CuTe-DSL kernel, so there this changes nothing.
+the CuTe-DSL kernel, so ``QWEN4EXP_FORCE_SM86=1`` turns it off too: a Hopper card then runs the
+hyper-connection as a 3090 does.
 """
 
 from __future__ import annotations
@@ -28,15 +29,19 @@ def missing_cute_dsl_packages() -> list[str]:
     return [name for name in CUTE_DSL_PACKAGES if importlib.util.find_spec(name) is None]
 
 
-def disable_cute_dsl_hc_if_missing(missing: list[str] | None = None) -> str | None:
-    """Keep upstream's HC layers off the CuTe-DSL kernel when its packages are missing; idempotent.
+def disable_cute_dsl_hc(missing: list[str] | None = None, force_sm86: bool = False) -> str | None:
+    """Keep upstream's HC layers off the CuTe-DSL kernel when its packages are missing or the
+    3090's choices are forced (``force_sm86``); idempotent.
 
     Returns the note that was logged, or None when nothing needed changing. ``missing``: the
     missing packages (default: looked up); tests pass it.
     """
     missing = missing_cute_dsl_packages() if missing is None else missing
-    if not missing:
+    if not missing and not force_sm86:
         return None
+    why = f"{', '.join(missing)} not installed; pip install vllm installs them" if missing else ""
+    if force_sm86:
+        why = "QWEN4EXP_FORCE_SM86: an RTX 3090 never selects it" + (f"; {why}" if why else "")
     from vllm.models.qwen4_exp.nvidia import hyperconnection, model
 
     cls = hyperconnection.GatedResidual
@@ -44,8 +49,8 @@ def disable_cute_dsl_hc_if_missing(missing: list[str] | None = None) -> str | No
         if "self._use_hc_down_silu" not in inspect.getsource(cls.__init__):
             raise RuntimeError(
                 "vLLM's qwen4_exp GatedResidual no longer sets _use_hc_down_silu, so the CuTe-DSL kernel "
-                f"cannot be turned off while {', '.join(missing)} is missing; install it "
-                "(pip install nvidia-cutlass-dsl quack-kernels) or re-check model/upstream/kernels.py"
+                f"cannot be turned off ({why}); install nvidia-cutlass-dsl and quack-kernels, unset "
+                "QWEN4EXP_FORCE_SM86, or re-check model/upstream/kernels.py"
             )
         original_init = cls.__init__
 
@@ -58,8 +63,8 @@ def disable_cute_dsl_hc_if_missing(missing: list[str] | None = None) -> str | No
         setattr(cls, _PATCHED, True)
         model.request_hc_down_silu_warmup = lambda *args, **kwargs: None
     note = (
-        f"upstream Qwen4-Exp: CuTe-DSL HC down+SiLU kernel off ({', '.join(missing)} not installed; "
-        "pip install vllm installs them); the projection runs through vLLM's linear layer"
+        f"upstream Qwen4-Exp: CuTe-DSL HC down+SiLU kernel off ({why}); the projection runs "
+        "through vLLM's linear layer"
     )
     logger.warning(note)
     return note

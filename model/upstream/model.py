@@ -73,7 +73,7 @@ else:
         Qwen4ExpForConditionalGeneration as _UpstreamForConditionalGeneration,
     )
 
-    from model.runtime import envs
+    from model.runtime import envs, sm86
     from model.runtime.quant_checks import check_must_stay_unquantized
     from model.upstream import gdn as upstream_gdn
     from model.upstream import indexer_tiles as upstream_indexer_tiles
@@ -83,12 +83,12 @@ else:
 
     # Before any model is built: upstream's decoder layers then construct our QSA owner, and its
     # PLE layers our table formats; its HC layers stay off a CuTe-DSL kernel whose packages are
-    # missing (upstream_kernels says why); unless QWEN4EXP_GDN_SHORT_PREFILL=0 its Triton-path GDN
-    # prefills shorter than one chunk take one recurrent kernel launch (upstream_gdn: what a
-    # prefix-cache hit computes).
+    # missing or that a 3090 would not pick (upstream_kernels says why); unless
+    # QWEN4EXP_GDN_SHORT_PREFILL=0 its Triton-path GDN prefills shorter than one chunk take one
+    # recurrent kernel launch (upstream_gdn: what a prefix-cache hit computes).
     upstream_qsa.install()
     upstream_ple.install()
-    upstream_kernels.disable_cute_dsl_hc_if_missing()
+    upstream_kernels.disable_cute_dsl_hc(force_sm86=sm86.forced())
     upstream_indexer_tiles.install()
     if envs.read(envs.GDN_SHORT_PREFILL):
         upstream_gdn.install()

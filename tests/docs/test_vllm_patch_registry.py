@@ -82,7 +82,7 @@ def vllm_patches() -> list[str]:
 def test_the_finder_sees_the_known_patches():
     found = vllm_patches()
     assert "model/runtime/vllm_fixes.py::install" in found
-    assert "model/upstream/kernels.py::disable_cute_dsl_hc_if_missing" in found
+    assert "model/upstream/kernels.py::disable_cute_dsl_hc" in found
 
 
 def test_every_vllm_patch_is_in_the_registry():

@@ -1,5 +1,6 @@
 """``model.upstream.kernels``: upstream's CuTe-DSL HC kernel is kept off, not crashed
-into, where its packages are missing (upstream's modules imported on the CPU build)."""
+into, where its packages are missing, and off under ``QWEN4EXP_FORCE_SM86`` as on a 3090
+(upstream's modules imported on the CPU build)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def restore(monkeypatch):
 
 def test_nothing_changes_when_the_packages_are_there(restore):
     init = restore.__init__
-    assert K.disable_cute_dsl_hc_if_missing(missing=[]) is None
+    assert K.disable_cute_dsl_hc(missing=[]) is None
     assert restore.__init__ is init
 
 
@@ -35,15 +36,38 @@ def test_missing_packages_turn_the_kernel_off_and_its_warmup(restore, monkeypatc
     monkeypatch.setattr(restore, "__init__", upstream_like_init)
     monkeypatch.setattr(K.inspect, "getsource", lambda obj: "self._use_hc_down_silu = (")
     with caplog.at_level("WARNING"):
-        note = K.disable_cute_dsl_hc_if_missing(missing=["quack"])
+        note = K.disable_cute_dsl_hc(missing=["quack"])
     assert note and "quack not installed" in note and note in caplog.text
     layer = object.__new__(restore)
     layer.__init__()
     assert layer._use_hc_down_silu is False
     assert MODEL.request_hc_down_silu_warmup(None) is None  # a no-op now
-    K.disable_cute_dsl_hc_if_missing(missing=["quack"])  # idempotent: not wrapped twice
+    K.disable_cute_dsl_hc(missing=["quack"])  # idempotent: not wrapped twice
     assert restore.__init__.__name__ == "init_without_cute_dsl"
     assert restore.__init__.__closure__[0].cell_contents is upstream_like_init
+
+
+def test_forcing_the_3090s_choices_turns_the_kernel_off_with_the_packages_there(restore, monkeypatch, caplog):
+    def upstream_like_init(self, *args, **kwargs):
+        self._use_hc_down_silu = True  # what upstream decides on sm_90+; a 3090 decides False
+
+    monkeypatch.setattr(restore, "__init__", upstream_like_init)
+    monkeypatch.setattr(K.inspect, "getsource", lambda obj: "self._use_hc_down_silu = (")
+    with caplog.at_level("WARNING"):
+        note = K.disable_cute_dsl_hc(missing=[], force_sm86=True)
+    assert note and "QWEN4EXP_FORCE_SM86" in note and "not installed" not in note
+    layer = object.__new__(restore)
+    layer.__init__()
+    assert layer._use_hc_down_silu is False
+
+
+def test_the_service_passes_the_switch():
+    """The subclass's install turns the kernel off under the switch, not only without the packages."""
+    import inspect
+
+    from model.upstream import model as upstream_model
+
+    assert "disable_cute_dsl_hc(force_sm86=sm86.forced())" in inspect.getsource(upstream_model)
 
 
 def test_upstream_still_sets_the_flag_the_patch_clears():
@@ -56,7 +80,7 @@ def test_upstream_still_sets_the_flag_the_patch_clears():
 def test_a_renamed_flag_is_refused(restore, monkeypatch):
     monkeypatch.setattr(K.inspect, "getsource", lambda obj: "def __init__(self): pass")
     with pytest.raises(RuntimeError, match="no longer sets _use_hc_down_silu"):
-        K.disable_cute_dsl_hc_if_missing(missing=["cutlass"])
+        K.disable_cute_dsl_hc(missing=["cutlass"])
 
 
 # ---- graph breaks ---------------------------------------------------------------------------------

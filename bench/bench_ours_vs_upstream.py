@@ -345,14 +345,10 @@ def engine_child(spec: dict) -> dict:
     result: dict = {"impl": spec["impl"], "notes": [], "tps": {}, "ttft_ms": {}, "parity": {}}
     prog = Progress(spec, result)
     if spec["impl"] == "upstream" and spec["device"] == "cuda":
-        # Raw upstream (our plugin off), so the CuTe-DSL switch is ours to apply, and it imports
-        # upstream before LLM(): enable breakable graphs first, as vLLM's config would for
-        # Qwen4-Exp, or the modules keep no graph breaks (model/upstream/kernels.py).
-        if not IMPLS[spec["impl"]][1]:
-            os.environ.setdefault("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
-        from model.upstream.kernels import disable_cute_dsl_hc
+        # Raw upstream (our plugin off), so the CuTe-DSL switch is ours to apply.
+        from model.upstream.kernels import prepare_upstream_without_plugin
 
-        note = disable_cute_dsl_hc()
+        note = prepare_upstream_without_plugin(graphs=not IMPLS[spec["impl"]][1])
         if note:
             result["notes"].append(note)
 

@@ -193,17 +193,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("sm86_hc"):
         # vLLM's own model with the hyper-connection path an RTX 3090 takes, as the served variant
         # has under QWEN4EXP_FORCE_SM86 (the CuTe-DSL kernel is sm_90+ only): this engine's core
-        # runs in this process, so the switch reaches the model it builds. It imports upstream
-        # before LLM(), so breakable graphs are enabled first, as vLLM's config would for Qwen4-Exp:
-        # upstream decides its graph breaks at import (model/upstream/kernels.py), and without them
-        # its GDN/QSA/PLE calls would be captured into the graphs and the engine timed would be a
-        # different, wrong one.
-        if spec["graphs"]:
-            os.environ.setdefault("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
-        from model.upstream.kernels import disable_cute_dsl_hc, refuse_missing_graph_breaks
+        # runs in this process, so the switch reaches the model it builds.
+        from model.upstream.kernels import prepare_upstream_without_plugin
 
-        disable_cute_dsl_hc(force_sm86=True)
-        refuse_missing_graph_breaks()
+        prepare_upstream_without_plugin(graphs, force_sm86=True)
     turn = TimingTurn(spec.get("timing_lock"))
     t0 = time.perf_counter()
     llm = LLM(

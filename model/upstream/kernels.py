@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -124,3 +125,17 @@ def refuse_missing_graph_breaks() -> None:
             "vllm.models.qwen4_exp or vllm.model_executor.layers.mamba before the engine is built "
             "(or set VLLM_USE_BREAKABLE_CUDAGRAPH=1 first), or --enforce-eager"
         )
+
+
+def prepare_upstream_without_plugin(graphs: bool, force_sm86: bool = False) -> str | None:
+    """For a process that builds vLLM's own Qwen4-Exp with our plugin off (the benches' baseline)
+    and whose engine core runs in this process: turn off the CuTe-DSL HC kernel where that is our
+    rule (:func:`disable_cute_dsl_hc`), which imports upstream before ``LLM()``. Upstream decides its
+    graph breaks at import, so with CUDA graphs breakable graphs are enabled first, as vLLM's config
+    would for Qwen4-Exp, and missing breaks are refused: without them the engine timed would capture
+    its GDN/QSA/PLE calls and be a different, wrong one. Returns the note logged, if any."""
+    if graphs:
+        os.environ.setdefault("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    note = disable_cute_dsl_hc(force_sm86=force_sm86)
+    refuse_missing_graph_breaks()
+    return note

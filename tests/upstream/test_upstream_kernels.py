@@ -137,3 +137,29 @@ def test_missing_graph_breaks_are_found_and_refused(breaks):
     assert K.missing_graph_breaks() == ["vllm.models.qwen4_exp.nvidia.qsa.Qwen4ExpQSAAttention._run_qsa"]
     with pytest.raises(ValueError, match=r"imported before it enabled them.*_run_qsa.*--enforce-eager"):
         K.refuse_missing_graph_breaks()
+
+
+def test_raw_upstream_gets_breakable_graphs_first_and_is_refused_without_its_breaks(
+    breaks, restore, monkeypatch
+):
+    """The benches' baseline (plugin off, upstream imported before ``LLM()``): breakable graphs
+    are enabled before anything is imported, the 3090's HC path is applied, and an engine whose
+    break points were lost at an earlier import is refused rather than timed."""
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
+    monkeypatch.setattr(K.inspect, "getsource", lambda obj: "self._use_hc_down_silu = (")
+    names = {q for _, q in K.GRAPH_BREAKS}
+    breaks(enabled=True, wrapped=names)
+    note = K.prepare_upstream_without_plugin(graphs=True, force_sm86=True)
+    assert K.os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "1"
+    assert note and "QWEN4EXP_FORCE_SM86" in note
+    assert restore.__init__.__name__ == "init_without_cute_dsl"
+    breaks(enabled=True, wrapped=names - {"Qwen4ExpPLELayer._short_conv"})
+    with pytest.raises(ValueError, match="_short_conv"):
+        K.prepare_upstream_without_plugin(graphs=True)
+
+
+def test_raw_upstream_eager_leaves_breakable_graphs_alone(breaks, restore, monkeypatch):
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
+    breaks(enabled=False, wrapped=set())
+    K.prepare_upstream_without_plugin(graphs=False)
+    assert "VLLM_USE_BREAKABLE_CUDAGRAPH" not in K.os.environ

@@ -45,7 +45,7 @@ CHILD = r"""
 import json, sys
 
 from tests.gpu.engine import cuda_engine_args
-from tests.pressure.parity import TOP, plain, prompts_near_block_end
+from tests.pressure.parity import TOP, plain, prompts_near_block_end, recompute_drift
 
 path, out_file, engine_json = sys.argv[1], sys.argv[2], sys.argv[3]
 requests, max_new, max_len, pools = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), json.loads(sys.argv[7])
@@ -83,16 +83,8 @@ try:
     result["prompts"] = prompts
     result["alone"] = [to_json(r) for r in alone]
     result["together"] = [to_json(plain(o.outputs[0])) for o in outs]
-    # Control: each lone run's tokens recomputed as one prefill (what a preempted request goes
-    # through), without any preemption: how far recomputation alone moves the chosen tokens' logprobs.
-    control = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=TOP)
-    result["recompute_drift"] = []
-    for p, (tokens, lps) in zip(prompts, alone):
-        llm.reset_prefix_cache()
-        full = llm.generate([{"prompt_token_ids": p + tokens}], control, use_tqdm=False)[0].prompt_logprobs
-        result["recompute_drift"].append(
-            max(abs(full[len(p) + k][t].logprob - lps[k][t]) for k, t in enumerate(tokens))
-        )
+    # Control: each lone run's tokens recomputed as one prefill, without any preemption.
+    result["recompute_drift"] = recompute_drift(llm, prompts, alone)
     result["model_class"] = llm.apply_model(lambda m: f"{type(m).__module__}.{type(m).__qualname__}")[0]
 except Exception as exc:
     result["error"] = f"{type(exc).__name__}: {exc}"

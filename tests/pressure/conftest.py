@@ -33,8 +33,9 @@ def _env_without_cpu_kv_space(**overrides: str) -> dict[str, str]:
     return env
 
 
-def start_pressure_server(tmp: Path, name: str = "pressure", **extra: str) -> Server:
-    """The service with the pressure limits (``extra`` overrides or adds variables)."""
+def start_pressure_server(tmp: Path, name: str = "pressure", **extra: str | None) -> Server:
+    """The service with the pressure limits (``extra`` overrides or adds variables; None leaves one
+    unset, so the service's default applies)."""
     env = dict(
         QWEN4EXP_MAX_CONCURRENT_REQUESTS=str(MAX_RUNNING),
         QWEN4EXP_MAX_QUEUED_REQUESTS=str(MAX_QUEUED),
@@ -45,7 +46,8 @@ def start_pressure_server(tmp: Path, name: str = "pressure", **extra: str) -> Se
     )
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(service_conftest, "service_env", _env_without_cpu_kv_space)
-        return start_server(tmp, name, **{**env, **extra})
+        chosen = {k: v for k, v in {**env, **extra}.items() if v is not None}
+        return start_server(tmp, name, **chosen)
 
 
 @pytest.fixture(scope="package")

@@ -85,6 +85,23 @@ def prompts_near_block_end(block: int, vocab: int, count: int, seed: int = 0) ->
     return [[rng.randrange(10, vocab) for _ in range(block - rng.randrange(25, 61))] for _ in range(count)]
 
 
+def recompute_drift(llm, prompts: list[list[int]], alone: list[Run]) -> list[float]:
+    """Per request, how far recomputing its lone run's tokens as one prefill (what a preempted
+    request goes through), with no preemption and an empty prefix cache, moves the chosen tokens'
+    logprobs in the same engine: the bf16 noise of recomputation alone, which a request resumed
+    from a wrong state exceeds by far."""
+    from vllm import SamplingParams
+
+    control = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=TOP)
+    drift = []
+    for p, (tokens, lps) in zip(prompts, alone, strict=True):
+        llm.reset_prefix_cache()
+        (out,) = llm.generate([{"prompt_token_ids": p + tokens}], control, use_tqdm=False)
+        full = out.prompt_logprobs
+        drift.append(max(abs(full[len(p) + k][t].logprob - lps[k][t]) for k, t in enumerate(tokens)))
+    return drift
+
+
 def plain(output) -> Run:
     """A vLLM ``CompletionOutput`` (with logprobs) as plain data."""
     return list(output.token_ids), [{t: lp.logprob for t, lp in step.items()} for step in output.logprobs]

@@ -15,7 +15,11 @@ requests fit at admission (five state blocks and one attention block each), and 
 25-60 tokens short of a block boundary, so the running requests all need one more block a few
 decode steps in, and the scheduler must preempt. Every request first runs alone (no pressure),
 then all together; vLLM's preemption counter must have moved and every request must pass the
-comparison above. Cases: prefix caching off, on (align mode: states saved per block), and
+comparison above, its drift bound widened by what recomputation alone moves its logprobs in the same
+engine (``parity.recompute_drift``: its lone run's tokens as one prefill, no preemption). The
+widening is per request and measured, so it follows the host's kernels (AVX2 hosts keep the GDN
+state in bf16, AVX512-BF16 hosts in float32) and the checkpoint generated there, while a request
+resumed from a wrong state still misses it by far. Cases: prefix caching off, on (align mode: states saved per block), and
 the FP8 QSA cache with prefix caching on.
 """
 
@@ -28,7 +32,7 @@ import pytest
 from tests.conftest import ensure_checkpoint
 from tests.qsa_kv.helpers import QSA_ENV, patched_env
 
-from .parity import TOP, compare, plain, problems, prompts_near_block_end, summary
+from .parity import TOP, compare, plain, problems, prompts_near_block_end, recompute_drift, summary
 
 NUM_BLOCKS = 20
 REQUESTS = 10
@@ -75,6 +79,7 @@ def test_preempted_requests_match_their_lone_runs(case: str, capsys) -> None:
         preempted = preemptions(llm) - before
         together = [plain(o.outputs[0]) for o in outs]
         cached = sum(o.num_cached_tokens or 0 for o in outs)
+        control = recompute_drift(llm, prompts, alone)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -84,7 +89,9 @@ def test_preempted_requests_match_their_lone_runs(case: str, capsys) -> None:
         print(
             f"\n[pressure] preemption parity {case}: {REQUESTS} requests x {MAX_NEW_TOKENS} tokens, "
             f"{NUM_BLOCKS} KV blocks of {block} tokens, {preempted:.0f} preemptions, "
-            f"{cached} prompt tokens from the prefix cache; {summary(verdicts)}"
+            f"{cached} prompt tokens from the prefix cache; {summary(verdicts)}; recomputing each lone "
+            f"run as one prefill, no preemption: drift {[round(d, 3) for d in control]}"
         )
     assert preempted > 0, "the batch never ran out of KV blocks: the test exercised nothing"
-    assert not problems(verdicts, REQUESTS // 4), problems(verdicts, REQUESTS // 4)
+    failed = problems(verdicts, REQUESTS // 4, recompute_drift=control)
+    assert not failed, failed

@@ -1,9 +1,10 @@
 """A quantized/twin divergence is accepted at a router top-k tie of the twin, and only there.
 
 ``tests.quant.parity.compare`` says why router ties matter (routing is discontinuous). These tests
-check the margin against a router built to tie, the refusal of an ordinary divergence, and the
-measured case that motivated it: ``qsa512``'s FP8-experts twin at ``chat`` token 3, where upstream's
-Marlin experts and the twin's Triton experts choose different tokens on an H200, deterministically.
+check the margin against a router built to tie, the refusal of an ordinary divergence, and a tie
+built into the checkpoint of the case that motivated it (``qsa512``'s FP8-experts twin at ``chat``
+token 3, where upstream's Marlin experts and the twin's Triton experts chose different tokens on an
+H200), found at the layer it was built in.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from model.tools.checkpoints import make_checkpoint
 from model.tools.quantize import convert_checkpoint
 from tests.conftest import ensure_checkpoint
 from tests.parity.prompts import parity_prompts
@@ -63,19 +65,56 @@ def test_divergence_without_a_tie_is_a_problem():
         assert "token 0 differs (twin prefers its token by" in problem
 
 
-def test_fp8_experts_chat_token_3_is_a_router_tie(tmp_path):
+def _router_ranking(path, ids: list[int], layer: int) -> tuple[list[int], int]:
+    """Experts of ``layer``'s router ordered by logit at the last position of ``ids``, and its top-k."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    gate = model.get_submodule(f"model.layers.{layer}.mlp.gate")
+    seen = {}
+
+    def keep_input(_module, args, _out) -> None:
+        seen.setdefault("x", args[0])
+
+    handle = gate.register_forward_hook(keep_input)
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        handle.remove()
+    x = seen["x"].reshape(-1, seen["x"].shape[-1])[-1].float()
+    order = torch.argsort(x @ gate.weight.float().t(), descending=True)
+    return order.tolist(), gate.top_k
+
+
+def test_a_router_tie_built_into_an_fp8_experts_twin_is_found_at_its_layer(tmp_path):
+    """On ``qsa512``'s FP8-experts twin (the case where upstream's Marlin experts and the twin's
+    Triton experts chose different tokens on an H200): the router of layer 4 gets its k-th expert's
+    row copied onto its (k+1)-th at ``chat`` + 3 tokens, so their logits tie there exactly; the
+    margin search finds that tie at that layer, and ``compare`` accepts a divergence there. The
+    tie is built, not found: a generated checkpoint's weights, and so its near-ties, differ
+    between CPU kinds."""
     from transformers import AutoTokenizer
 
+    source = make_checkpoint("qsa512", tmp_path / "qsa512", train_steps=0)  # the tie is built, not trained
     twin = convert_checkpoint(
-        ensure_checkpoint("qsa512"),
+        source,
         tmp_path / "deq",
         "fp8-block",
         scope="experts",
         scales="pow2",
         dequantized=True,
     )
-    chat = parity_prompts(AutoTokenizer.from_pretrained(twin))["chat"]
-    # The twin's first three tokens on the H200 (upstream, Triton experts), equal in both engines.
-    margin, layer = RouterTies(twin).margin(chat + [284, 315, 455])
-    assert margin < ROUTER_TIE_LOGITS, (margin, layer)
-    assert torch.isfinite(torch.tensor(margin))
+    ids = parity_prompts(AutoTokenizer.from_pretrained(twin))["chat"] + [284, 315, 455]
+    layer = 4
+    order, top_k = _router_ranking(twin, ids, layer)
+    (weights,) = twin.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = f"model.layers.{layer}.mlp.gate.weight"
+    tensors[name][order[top_k]] = tensors[name][order[top_k - 1]]
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+    margin, where = RouterTies(twin).margin(ids)
+    assert margin == 0.0 and where == f"model.layers.{layer}.mlp.gate", (margin, where)
+    got, want = _diverging(11, 12)
+    assert compare(got, want, prompts={"p": ids}, twin=twin) == []

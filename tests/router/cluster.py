@@ -108,6 +108,11 @@ class Replica:
             "hits": sum(s.value for s in m.get("vllm:prefix_cache_hits_total", [])),
         }
 
+    def block_size(self) -> int:
+        """The prefix cache's block size in tokens, from vLLM's ``cache_config_info``."""
+        (info,) = self.metrics()["vllm:cache_config_info"]
+        return int(info.labels["block_size"])
+
     def chats_in_progress(self) -> float:
         m = self.metrics()
         return sum(

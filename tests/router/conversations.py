@@ -2,8 +2,10 @@
 
 Each conversation has its own system prompt (~450 tokens of the ``tiny`` tokenizer) and every
 turn appends a user message of ~290 tokens plus the previous short answer, so turn 5 is ~1,600
-tokens (under the replicas' 2,048). The hybrid model's prefix cache works in 256-token blocks,
-so each turn can reuse about one more block than the one before, on the replica that served it.
+tokens (under the replicas' 2,048). The hybrid model's prefix cache works in whole blocks (the
+block size is the engine's: 256 tokens on AVX512-BF16 CPUs, which keep GDN states in float32, 128
+on AVX2 CPUs), so each turn can reuse about one more block than the one before, on the replica that
+served it.
 
 Requests are sent one at a time, turn by turn, and the order of the conversations rotates each
 turn. Sent one at a time, every request is attributed to a replica exactly: the replica whose
@@ -40,6 +42,16 @@ def client(base_url: str, key: str = KEY, timeout: float = 60.0) -> openai.OpenA
 
 
 @dataclass
+class Request:
+    """One chat request of a pass, in the order sent."""
+
+    conversation: int
+    replica: int
+    prompt_tokens: int
+    hits: float  # prompt tokens the replica's prefix cache served (its vLLM counter's rise)
+
+
+@dataclass
 class Run:
     """What one pass of the conversations did, per replica and per request."""
 
@@ -47,10 +59,26 @@ class Run:
     queries: float = 0.0
     hits: float = 0.0
     prompt_tokens: list[int] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
+
+    def expected_hits(self, block: int) -> list[int]:
+        """Per request, the prompt tokens a prefix cache of ``block``-token blocks can serve on the
+        replica that got it: the whole blocks of the longest earlier prompt of the same conversation
+        on that replica (every turn's prompt starts with each earlier turn's whole prompt, and no
+        two conversations share a block). What placement alone decides."""
+        out = []
+        for i, r in enumerate(self.requests):
+            earlier = [
+                e.prompt_tokens
+                for e in self.requests[:i]
+                if e.conversation == r.conversation and e.replica == r.replica
+            ]
+            out.append(max(earlier, default=0) // block * block)
+        return out
 
 
 def answered_by(replicas: list[Replica], before: list[float]) -> int:
@@ -85,13 +113,15 @@ def run_conversations(base_url: str, replicas: list[Replica], tag: str) -> Run:
             messages[c].append(
                 {"role": "user", "content": f"turn {turn}: {words(seed + 10 * c + turn, USER_WORDS)}"}
             )
-            before = [r.counters()["chat"] for r in replicas]
+            counted = [r.counters() for r in replicas]
             answer = api.chat.completions.create(
                 model="tiny", messages=messages[c], max_tokens=MAX_TOKENS, temperature=0
             )
-            served = answered_by(replicas, before)
+            served = answered_by(replicas, [n["chat"] for n in counted])
+            hits = replicas[served].counters()["hits"] - counted[served]["hits"]
             run.placement.setdefault(c, []).append(served)
             run.prompt_tokens.append(answer.usage.prompt_tokens)
+            run.requests.append(Request(c, served, answer.usage.prompt_tokens, hits))
             messages[c].append({"role": "assistant", "content": answer.choices[0].message.content or ""})
     end = [r.counters() for r in replicas]
     run.queries = sum(e["queries"] - s["queries"] for s, e in zip(start, end, strict=True))

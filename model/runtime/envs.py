@@ -160,6 +160,7 @@ FAULT_INJECT_FATAL_TOKEN = "QWEN4EXP_FAULT_INJECT_FATAL_TOKEN"
 QSA_SELECTION = "QWEN4EXP_QSA_SELECTION"
 CUDA_MODEL = "QWEN4EXP_CUDA_MODEL"
 GDN_SHORT_PREFILL = "QWEN4EXP_GDN_SHORT_PREFILL"
+HC_REFERENCE_ROUNDING = "QWEN4EXP_HC_REFERENCE_ROUNDING"
 SEPARATE_INDEXER_PROJECTION = "QWEN4EXP_SEPARATE_INDEXER_PROJECTION"
 FORCE_SM86 = "QWEN4EXP_FORCE_SM86"
 
@@ -275,6 +276,19 @@ VARIABLES: tuple[EnvVar, ...] = (
         "fused recurrent kernel, one launch a layer instead of about eight "
         "(`model/upstream/gdn.py`); on the H200 a cache hit's step fell from 71-81 ms to "
         "33-50 ms, with upstream's prefix-cache parity unchanged. `0`: every prefill on upstream's chunked kernel.",
+        "use 1 or 0 (true/false, yes/no, on/off), or unset it (1)",
+    ),
+    EnvVar(
+        HC_REFERENCE_ROUNDING,
+        parse_flag,
+        True,
+        "`1`",
+        "With upstream on CUDA: the hyper-connection gate mix rounds where transformers and our "
+        "implementation round (`sigmoid` and each product to bf16 before the mean; "
+        "`model/upstream/hc_mix.py`), one kernel launch as upstream's. Upstream's own kernel rounds "
+        "once at the end, which flips MoE routing near-ties the reference does not flip; on text "
+        "that repeats the flip repeats, and a served checkpoint sat twice as far from float32 as "
+        "transformers-bf16 (docs/fidelity.md). `0`: upstream's kernel.",
         "use 1 or 0 (true/false, yes/no, on/off), or unset it (1)",
     ),
     EnvVar(

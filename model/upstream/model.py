@@ -19,6 +19,10 @@ From :mod:`model.upstream.gdn`, unless ``QWEN4EXP_GDN_SHORT_PREFILL=0`` (judged 
 on an H200, docs/benchmarks.md): GDN prefills shorter than one FLA chunk (a prefix-cache hit's tail) in FLA's fused
 recurrent kernel on the Triton path (the 3090's), one launch instead of ~8.
 
+From :mod:`model.upstream.hc_mix`, unless ``QWEN4EXP_HC_REFERENCE_ROUNDING=0``: the
+hyper-connection gate mix rounded where transformers and ours round, so that MoE routing near-ties
+fall as in the reference (docs/fidelity.md has the checkpoint where upstream's order doubled the error).
+
 From :mod:`model.upstream.ple`: our FP8 E4M3 and NVFP4 PLE tables (``model.ple.format``),
 decoded exactly as ours decodes them, and PLE tables kept away from the weight quantizer (so AWQ/GPTQ
 configs construct). With any weight quantization the QSA indexer projection stays its own
@@ -76,6 +80,7 @@ else:
     from model.runtime import envs, sm86
     from model.runtime.quant_checks import check_must_stay_unquantized
     from model.upstream import gdn as upstream_gdn
+    from model.upstream import hc_mix as upstream_hc_mix
     from model.upstream import indexer_tiles as upstream_indexer_tiles
     from model.upstream import kernels as upstream_kernels
     from model.upstream import ple as upstream_ple
@@ -92,6 +97,8 @@ else:
     upstream_indexer_tiles.install()
     if envs.read(envs.GDN_SHORT_PREFILL):
         upstream_gdn.install()
+    if envs.read(envs.HC_REFERENCE_ROUNDING):
+        upstream_hc_mix.install()
 
     def _read_output_gate_as_transformers_does(vllm_config) -> None:
         """A null ``output_gate_type`` is ``hidden_act`` in transformers (``configuration_qwen4_exp``:

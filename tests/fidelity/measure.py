@@ -82,6 +82,21 @@ def prompts_of_lengths(tokenizer_dir: str | Path, lengths: Sequence[int], seed: 
     return out
 
 
+def repeated_prompts(tokenizer_dir: str | Path, lengths: Sequence[int]) -> list[list[int]]:
+    """Prompts of the given token counts whose natural text repeats exactly: the built-in corpus in
+    its own order, over and over. Later copies are predictable, and a near-tie (a router, a gate) at
+    one position recurs at every copy, so an engine that rounds it the other way than float32 is
+    wrong at every copy instead of once: salted prompts average such a loss away, these do not."""
+    from transformers import AutoTokenizer
+
+    from model.tools.checkpoints import CORPUS
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    text = " ".join(CORPUS.split())
+    copy = tok(text + " ", add_special_tokens=False)["input_ids"]
+    return [(copy * (length // len(copy) + 1))[:length] for length in lengths]
+
+
 @torch.inference_mode()
 def transformers_token_logprobs(
     checkpoint: str | Path, prompts: Sequence[Sequence[int]], dtype: torch.dtype, device: str = "cpu"
@@ -111,6 +126,20 @@ def transformers_token_logprobs(
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return refs
+
+
+def bf16_noise(checkpoint: str | Path, sequences: Sequence[Sequence[int]]) -> list[float]:
+    """Per sequence: the 99th percentile, over its positions, of |transformers-bf16 - float32| in the
+    log-prob of the actual next token, teacher-forced on the CPU. How far bf16 alone moves a
+    log-prob on this checkpoint, this text and this host's kernels: two tokens closer than this are
+    a tie that any bf16 engine may break either way."""
+    r32 = transformers_token_logprobs(checkpoint, sequences, torch.float32)
+    r16 = transformers_token_logprobs(checkpoint, sequences, torch.bfloat16)
+    out = []
+    for a, b in zip(r32, r16, strict=True):
+        d = (a.logprobs - b.logprobs).abs()
+        out.append(float(d.quantile(0.99)) if d.numel() > 1 else float(d.sum()))
+    return out
 
 
 def as_observed(refs: Sequence[Reference]) -> list[Observed]:

@@ -1,7 +1,15 @@
 """Teacher-forced fidelity of the CUDA paths against transformers in float32, and where they lose it.
 
 ``python -m tests.gpu.fidelity_run --out DIR [--shapes holdout,drawn-1,CHECKPOINT_DIR,...] [--lengths 600,2500,...]
-[--runs upstream:eager,upstream:graphs,ours:eager] [--diagnose upstream]``
+[--prompt-kind salted,repeated | --prompts FILE.json] [--init random|transformers]
+[--runs upstream:eager,upstream:graphs,ours:eager,upstream:graphs+fp8+upstream-hc] [--diagnose upstream]``
+
+Prompts: ``salted`` (shuffled corpus with random tokens, ``measure.prompts_of_lengths``), ``repeated``
+(the corpus repeated exactly, ``measure.repeated_prompts``: a near-tie recurs at every copy), both
+(each length twice), or a JSON file of ``{name: token ids}``. ``--init transformers`` keeps
+transformers' own initialisation of generated shapes (flat distributions, many near-ties). A run's
+mode may add ``+fp8`` (the FP8 E4M3 QSA cache), ``+ssm32`` (float32 GDN state) and ``+upstream-hc``
+(upstream's own hyper-connection gate mix, ``QWEN4EXP_HC_REFERENCE_ROUNDING=0``).
 
 For each shape: a random-weight checkpoint (``model.tools.checkpoints``; or a checkpoint directory of
 one's own, with its tokenizer), transformers' float32 reference
@@ -35,19 +43,22 @@ DEVICE = os.environ.get("FIDELITY_DEVICE", "cuda")  # "cpu": try the harness its
 DIAGNOSIS_TOKENS = int(os.environ.get("FIDELITY_DIAGNOSIS_TOKENS", "600"))
 
 
-def engine_env(impl: str) -> dict[str, str]:
+def engine_env(impl: str, mode: str = "eager") -> dict[str, str]:
     env = {
         "QWEN4EXP_CUDA_MODEL": impl,
         "VLLM_USE_V2_MODEL_RUNNER": "1" if impl == "upstream" else "0",
         "QWEN4EXP_FORCE_SM86": os.environ.get("QWEN4EXP_FORCE_SM86", "1"),
         "VLLM_USE_FLASHINFER_SAMPLER": "0",
     }
+    if "upstream-hc" in mode.split("+")[1:]:
+        env["QWEN4EXP_HC_REFERENCE_ROUNDING"] = "0"
     return env
 
 
 def engine_args(mode: str, max_len: int) -> dict:
     """``mode``: ``eager`` or ``graphs``, optionally ``+ssm32`` (GDN recurrent state kept in float32
-    between steps, vLLM's ``mamba_ssm_cache_dtype``)."""
+    between steps, vLLM's ``mamba_ssm_cache_dtype``) and ``+fp8`` (the FP8 E4M3 QSA cache, scales
+    1.0)."""
     graphs = mode.split("+")[0] == "graphs"
     args = dict(
         dtype="bfloat16",
@@ -65,11 +76,15 @@ def engine_args(mode: str, max_len: int) -> dict:
         args["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
     if "ssm32" in mode.split("+")[1:]:
         args["mamba_ssm_cache_dtype"] = "float32"
+    if "fp8" in mode.split("+")[1:]:
+        args["kv_cache_dtype"] = "fp8"
     return args
 
 
 def _engine_child(path: str, impl: str, mode: str, prompts, out: str) -> None:
-    os.environ.update(engine_env(impl))
+    os.environ.update(engine_env(impl, mode))
+    for name in ("VLLM_QSA_KV_SCALES", "VLLM_QSA_KV_COLLECT", "VLLM_QSA_KV_CLIP_COUNT"):
+        os.environ.pop(name, None)  # FP8: scales 1.0, nothing collected
     from vllm import LLM
 
     llm = LLM(model=path, **engine_args(mode, max(map(len, prompts))))
@@ -176,7 +191,8 @@ def _reference_sublayers(path: Path, ids: tuple[int, ...], dtype: torch.dtype) -
 
 
 def _diagnose_child(path: str, impl: str, ids: list[int], out: str) -> None:
-    os.environ.update(engine_env(impl))
+    impl, _, flags = impl.partition("+")  # e.g. upstream+upstream-hc
+    os.environ.update(engine_env(impl, "eager+" + flags))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM, SamplingParams
@@ -238,17 +254,24 @@ def main() -> int:
         "--shapes", default="holdout,drawn-1,drawn-8", help="presets, drawn-<seed> or checkpoint directories"
     )
     parser.add_argument("--lengths", default="4,600,2500,6000,16000")
+    parser.add_argument("--prompt-kind", default="salted", choices=("salted", "repeated", "both"))
+    parser.add_argument("--prompts", default="", help="JSON file {name: token ids}; replaces --lengths")
+    parser.add_argument("--init", default="random", choices=("random", "transformers"))
+    parser.add_argument("--seed", type=int, default=0, help="weights of generated shapes")
     parser.add_argument("--runs", default="upstream:eager,upstream:graphs,ours:eager")
     parser.add_argument(
         "--diagnose",
         default="",
-        help="implementations (comma-separated) to hook per sublayer on a 600-token prompt",
+        help="implementations (comma-separated, each optionally +upstream-hc) to hook per sublayer on the "
+        "first prompt of at least 600 tokens (cut to 600)",
     )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = [int(x) for x in args.lengths.split(",")]
-    results: dict = {"lengths": lengths, "shapes": {}}
+    given = json.loads(Path(args.prompts).read_text()) if args.prompts else None
+    labels = list(given) if given else prompt_labels(lengths, args.prompt_kind)
+    results: dict = {"lengths": labels, "shapes": {}}
     for shape in args.shapes.split(","):
         t0 = time.time()
         if Path(shape).is_dir():  # a checkpoint of one's own (config, weights and tokenizer)
@@ -256,18 +279,19 @@ def main() -> int:
         else:
             ckpt = out / "ckpt" / shape
             if not (ckpt / "model.safetensors").exists():
-                make_checkpoint(shape, ckpt, seed=0, train_steps=0, device=DEVICE)
-        prompts = measure.prompts_of_lengths(ckpt, lengths)
+                make_checkpoint(shape, ckpt, seed=args.seed, train_steps=0, device=DEVICE, init=args.init)
+        prompts = list(given.values()) if given else make_prompts(ckpt, lengths, args.prompt_kind)
         ref32 = measure.transformers_token_logprobs(ckpt, prompts, torch.float32, DEVICE)
         ref16 = measure.transformers_token_logprobs(ckpt, prompts, torch.bfloat16, DEVICE)
         entry: dict = {"transformers-bf16": {}, "runs": {}}
         if args.diagnose:  # first: it names the sublayer to look at while the full runs go on
             for impl in args.diagnose.split(","):
-                ids = measure.prompts_of_lengths(ckpt, [DIAGNOSIS_TOKENS])[0]
+                longest = max(prompts, key=len)
+                ids = next((p for p in prompts if len(p) >= DIAGNOSIS_TOKENS), longest)[:DIAGNOSIS_TOKENS]
                 entry.setdefault("diagnosis", {})[impl] = diagnose(ckpt, impl, ids, out)
                 for row in entry["diagnosis"][impl]:
                     print(f"[{shape}] diag {impl} {json.dumps(row)}", flush=True)
-        for i, n in enumerate(lengths):
+        for i, n in enumerate(labels):
             entry["transformers-bf16"][n] = measure.as_dict(
                 measure.fidelity([ref32[i]], measure.as_observed([ref16[i]]))
             )
@@ -275,14 +299,14 @@ def main() -> int:
             measure.fidelity(ref32, measure.as_observed(ref16))
         )
         print(f"[{shape}] references in {time.time() - t0:.0f}s", flush=True)
-        for run in args.runs.split(","):
+        for run in filter(None, args.runs.split(",")):  # none: references and diagnosis only
             impl, mode = run.split(":")
             got = run_engine(ckpt, impl, mode, prompts, out / f"{shape}-{impl}-{mode}.pt")
             if isinstance(got, str):
                 entry["runs"][run] = {"error": got}
             else:
                 per = {
-                    n: measure.as_dict(measure.fidelity([ref32[i]], [got[i]])) for i, n in enumerate(lengths)
+                    n: measure.as_dict(measure.fidelity([ref32[i]], [got[i]])) for i, n in enumerate(labels)
                 }
                 per["all"] = measure.as_dict(measure.fidelity(ref32, got))
                 entry["runs"][run] = per
@@ -295,6 +319,17 @@ def main() -> int:
     (out / "fidelity.md").write_text(render(results))
     print(render(results))
     return 0
+
+
+def prompt_labels(lengths: list[int], kind: str) -> list[str | int]:
+    """Result keys of the prompts :func:`make_prompts` makes: the length, ``r<length>`` if repeated."""
+    salted = lengths if kind in ("salted", "both") else []
+    return [*salted, *(f"r{n}" for n in lengths if kind in ("repeated", "both"))]
+
+
+def make_prompts(ckpt: Path, lengths: list[int], kind: str) -> list[list[int]]:
+    prompts = measure.prompts_of_lengths(ckpt, lengths) if kind in ("salted", "both") else []
+    return prompts + (measure.repeated_prompts(ckpt, lengths) if kind in ("repeated", "both") else [])
 
 
 def render(results: dict) -> str:

@@ -565,6 +565,12 @@ def hc_launches(ops: dict[str, types.ModuleType]) -> Iterator[tuple[str, Launch]
         "hc gate mix",
         generic(hc._hc_gate_mix_kernel, base | {"DIM": dim, "HC": HC_COUNT, "BLOCK_SIZE": 512}),
     )
+    from model.upstream import hc_mix  # ours, replacing the gate mix on the served path
+
+    yield (
+        "hc gate mix (reference rounding, ours)",
+        generic(hc_mix._gate_mix_kernel, {"HC_DIM": HIDDEN, "HC": HC_COUNT, "BLOCK": hc_mix.BLOCK_SIZE}),
+    )
     yield (
         "hc combine",
         generic(hc._hc_combine_kernel, base | {"HC_DIM": HIDDEN, "HC": HC_COUNT, "BLOCK_SIZE": 512}),

@@ -50,11 +50,13 @@ def first_divergence(got: list[int], expected: list[int]) -> int | None:
 
 
 def assert_same(
-    got: dict[str, list[int]], expected: dict[str, tuple[list[int], list]], tie_at: dict[str, float]
+    got: dict[str, list[int]],
+    expected: dict[str, tuple[list[int], list]],
+    tie_at: dict[str, float] | None = None,
 ) -> None:
     """Token-for-token equality, except that a divergence at a near-tie of the reference (closer
-    than ``tie_at[name]``) ends the comparison of that prompt (the continuations then legitimately
-    differ)."""
+    than ``tie_at[name]``, default ``TIE_LOGPROB``) ends the comparison of that prompt (the
+    continuations then legitimately differ)."""
     problems = []
     ties = 0
     for name, (ref_tokens, ref_logprobs) in expected.items():
@@ -62,7 +64,7 @@ def assert_same(
         if i is None:
             continue
         gap = float(ref_logprobs[i][ref_tokens[i]] - ref_logprobs[i][got[name][i]])
-        if gap <= tie_at[name]:
+        if gap <= (tie_at or {}).get(name, TIE_LOGPROB):
             ties += 1
             continue
         problems.append(

@@ -10,7 +10,7 @@ those paths. torch's own kernels are limited by the variables the script sets.
 
 import os
 
-if os.environ.get("QWEN4EXP_EMULATE_AVX2") == "1":
+if os.environ.get("EMULATE_CPU_KIND_AVX2") == "1":
     import torch
 
     for _name in (

@@ -43,6 +43,11 @@ DEVICE = os.environ.get("FIDELITY_DEVICE", "cuda")  # "cpu": try the harness its
 DIAGNOSIS_TOKENS = int(os.environ.get("FIDELITY_DIAGNOSIS_TOKENS", "600"))
 
 
+def mode_flags(mode: str) -> list[str]:
+    """The ``+`` options of a run mode (``graphs+fp8+upstream-hc`` -> ``["fp8", "upstream-hc"]``)."""
+    return mode.split("+")[1:]
+
+
 def engine_env(impl: str, mode: str = "eager") -> dict[str, str]:
     env = {
         "QWEN4EXP_CUDA_MODEL": impl,
@@ -50,7 +55,7 @@ def engine_env(impl: str, mode: str = "eager") -> dict[str, str]:
         "QWEN4EXP_FORCE_SM86": os.environ.get("QWEN4EXP_FORCE_SM86", "1"),
         "VLLM_USE_FLASHINFER_SAMPLER": "0",
     }
-    if "upstream-hc" in mode.split("+")[1:]:
+    if "upstream-hc" in mode_flags(mode):
         env["QWEN4EXP_HC_REFERENCE_ROUNDING"] = "0"
     return env
 
@@ -74,9 +79,9 @@ def engine_args(mode: str, max_len: int) -> dict:
     )
     if graphs:
         args["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
-    if "ssm32" in mode.split("+")[1:]:
+    if "ssm32" in mode_flags(mode):
         args["mamba_ssm_cache_dtype"] = "float32"
-    if "fp8" in mode.split("+")[1:]:
+    if "fp8" in mode_flags(mode):
         args["kv_cache_dtype"] = "fp8"
     return args
 
@@ -285,9 +290,9 @@ def main() -> int:
         ref16 = measure.transformers_token_logprobs(ckpt, prompts, torch.bfloat16, DEVICE)
         entry: dict = {"transformers-bf16": {}, "runs": {}}
         if args.diagnose:  # first: it names the sublayer to look at while the full runs go on
+            longest = max(prompts, key=len)
+            ids = next((p for p in prompts if len(p) >= DIAGNOSIS_TOKENS), longest)[:DIAGNOSIS_TOKENS]
             for impl in args.diagnose.split(","):
-                longest = max(prompts, key=len)
-                ids = next((p for p in prompts if len(p) >= DIAGNOSIS_TOKENS), longest)[:DIAGNOSIS_TOKENS]
                 entry.setdefault("diagnosis", {})[impl] = diagnose(ckpt, impl, ids, out)
                 for row in entry["diagnosis"][impl]:
                     print(f"[{shape}] diag {impl} {json.dumps(row)}", flush=True)

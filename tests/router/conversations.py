@@ -55,11 +55,21 @@ class Request:
 class Run:
     """What one pass of the conversations did, per replica and per request."""
 
-    placement: dict[int, list[int]] = field(default_factory=dict)  # conversation -> replica per turn
-    queries: float = 0.0
+    queries: float = 0.0  # the replicas' prefix-cache counters over the whole pass
     hits: float = 0.0
-    prompt_tokens: list[int] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
+
+    @property
+    def placement(self) -> dict[int, list[int]]:
+        """Conversation -> the replica of each of its turns."""
+        out: dict[int, list[int]] = {}
+        for r in self.requests:
+            out.setdefault(r.conversation, []).append(r.replica)
+        return out
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return [r.prompt_tokens for r in self.requests]
 
     @property
     def hit_rate(self) -> float:
@@ -119,8 +129,6 @@ def run_conversations(base_url: str, replicas: list[Replica], tag: str) -> Run:
             )
             served = answered_by(replicas, [n["chat"] for n in counted])
             hits = replicas[served].counters()["hits"] - counted[served]["hits"]
-            run.placement.setdefault(c, []).append(served)
-            run.prompt_tokens.append(answer.usage.prompt_tokens)
             run.requests.append(Request(c, served, answer.usage.prompt_tokens, hits))
             messages[c].append({"role": "assistant", "content": answer.choices[0].message.content or ""})
     end = [r.counters() for r in replicas]

@@ -66,7 +66,7 @@ COPY service ./service
 # --no-deps: every dependency is already locked above; the package adds only our code and the
 # vllm.general_plugins entry point.
 RUN uv pip install --no-deps . \
- && python -c "import model.runtime.plugin, service.settings, vllm; assert vllm.__version__.startswith('0.32.')" \
+ && python -c "import model.plugin, service.settings, vllm; assert vllm.__version__.startswith('0.32.')" \
  && python -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('torchvision', 'torchaudio', 'torchcodec')))"
 
 # ---- runtime ------------------------------------------------------------------------------------

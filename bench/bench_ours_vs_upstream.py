@@ -20,7 +20,7 @@ Why each piece is the way it is:
   blocks, and a toy budget would never exercise the sparse path at all.
 * One engine per child process (``subprocess`` of a fresh interpreter, never fork), because the
   implementation is picked at import time by the environment: ours is registered by the package's
-  ``vllm.general_plugins`` entry point (``model.runtime.plugin:register``) under the same architecture names
+  ``vllm.general_plugins`` entry point (``model.plugin:register``) under the same architecture names
   as upstream, so ``VLLM_PLUGINS=none`` (a name no plugin has) is what gives upstream's model.
   Upstream needs the V2 model runner (under V1 it stops with "PLE inputs were not prepared"); ours
   runs on V1. Every row prints which model class was actually loaded.
@@ -346,9 +346,12 @@ def engine_child(spec: dict) -> dict:
     prog = Progress(spec, result)
     if spec["impl"] == "upstream" and spec["device"] == "cuda":
         # Raw upstream (our plugin off), so the CuTe-DSL switch is ours to apply.
-        from model.upstream.kernels import prepare_upstream_without_plugin
+        from model.upstream.optional_kernels import prepare_upstream_without_plugin
 
-        note = prepare_upstream_without_plugin(graphs=not IMPLS[spec["impl"]][1])
+        graphs = not IMPLS[spec["impl"]][1]
+        if graphs:  # as vLLM's config would for Qwen4-Exp, before upstream is imported
+            os.environ.setdefault("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+        note = prepare_upstream_without_plugin(graphs=graphs)
         if note:
             result["notes"].append(note)
 

@@ -20,7 +20,7 @@ time the hit at about half its served speed.
 Model Runner V2, the engine core in this process, as ``bench/bench_ours_vs_upstream.py`` runs it);
 it needs a checkpoint upstream takes, e.g. ``qsa512``. Nothing from upstream is imported before
 ``LLM()``: importing it earlier loses upstream's graph breaks, and a hit with graphs then ignores
-its suffix; the subclass refuses that state (``model/upstream/kernels.py``).
+its suffix; the subclass refuses that state (``model/upstream/optional_kernels.py``).
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def main() -> None:
         if args.gdn_ab:  # installed, then switched per round
             os.environ["QWEN4EXP_GDN_SHORT_PREFILL"] = "1"
         # Nothing from upstream is imported here: the subclass module does what it needs once vLLM has
-        # built its config (see model/upstream/kernels.py for why the order matters).
+        # built its config (see model/upstream/optional_kernels.py for why the order matters).
     else:  # ours, also on CUDA (where the default would be upstream), on its V1 runner there
         os.environ.setdefault("QWEN4EXP_CUDA_MODEL", "ours")
 

@@ -194,8 +194,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         # vLLM's own model with the hyper-connection path an RTX 3090 takes, as the served variant
         # has under QWEN4EXP_FORCE_SM86 (the CuTe-DSL kernel is sm_90+ only): this engine's core
         # runs in this process, so the switch reaches the model it builds.
-        from model.upstream.kernels import prepare_upstream_without_plugin
+        from model.upstream.optional_kernels import prepare_upstream_without_plugin
 
+        if graphs:  # as vLLM's config would for Qwen4-Exp, before upstream is imported
+            os.environ.setdefault("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
         prepare_upstream_without_plugin(graphs, force_sm86=True)
     turn = TimingTurn(spec.get("timing_lock"))
     t0 = time.perf_counter()

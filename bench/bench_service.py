@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the tests' loopback plumbing
+from tests.net import free_port  # noqa: E402
+
 HOST = "127.0.0.1"  # loopback only
 KEY = "bench-key"
 
@@ -51,12 +53,6 @@ class Result:
     def pct(self, values: list[float], q: float) -> float:
         ordered = sorted(values)
         return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def server_command(kind: str, args: argparse.Namespace, port: int) -> tuple[list[str], dict[str, str]]:

@@ -23,7 +23,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,9 @@ import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the tests' loopback plumbing
+from tests.net import free_port  # noqa: E402
+
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
 
 
@@ -115,12 +117,6 @@ async def run_pass(name: str, url: str, args, offset: int) -> Pass:
         [f for _, f, ok in results if ok and f is not None],
         sum(1 for *_, ok in results if not ok),
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:

@@ -32,7 +32,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,14 +42,11 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the tests' loopback plumbing
+from tests.net import free_port  # noqa: E402
+
 KEY = "soak-key"
 GENERATION = ("/v1/completions", "/v1/chat/completions")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_service(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str]:

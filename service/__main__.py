@@ -33,6 +33,11 @@ def main() -> int:
             return 2
         for name in unknown_prefixed_variables():
             sys.stderr.write(f"service: warning: {name} is not a setting of this service (typo?); ignored\n")
+        # vLLM sizes its request models' stop lists when they are imported: before vLLM is.
+        from service.child_environment import export
+        from service.request_caps import vllm_limits
+
+        export(vllm_limits(settings))
 
         from service.listen import bind
 

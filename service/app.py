@@ -1,7 +1,7 @@
 """The ASGI application: vLLM's OpenAI routes and handlers, plus our probes, metrics and guards.
 
 vLLM's routers and exception handlers are reused as they are (chat completions with SSE and
-usage, completions, models, tokenize/detokenize); their handler objects are attached to
+usage, completions, the Responses API, Anthropic's Messages API, models, tokenize/detokenize); their handler objects are attached to
 ``app.state`` by vLLM's ``init_app_state`` once the engine is up. We add only what vLLM lacks:
 ``/health``, ``/ready``, a multiprocess ``/metrics``, and the middlewares in ``guards``,
 ``lifecycle``, ``errors`` and ``http_metrics``.
@@ -18,9 +18,11 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp
+from vllm.entrypoints.anthropic.api_router import router as messages_router
 from vllm.entrypoints.openai.chat_completion.api_router import router as chat_router
 from vllm.entrypoints.openai.completion.api_router import router as completion_router
 from vllm.entrypoints.openai.models.api_router import router as models_router
+from vllm.entrypoints.openai.responses.api_router import router as responses_router
 from vllm.entrypoints.scale_out.render.api_router import router as render_router
 from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
 from vllm.entrypoints.serve.tokenize.api_router import router as tokenize_router
@@ -32,6 +34,7 @@ from .engine import generate_one_token
 from .errors import ErrorShapeMiddleware, error_body
 from .guards import Admission, ApiKeys, BearerAuth, BodyLimit
 from .lifecycle import Lifecycle, LifecycleGate, Phase
+from .request_caps import RequestCaps
 from .settings import ServiceSettings, read_keys_file
 from .time_limits import BodyTimeout, RequestDeadline
 
@@ -49,9 +52,16 @@ VLLM_ROUTES = frozenset(
         # for these (falling back to /tokenize) to route by prefix.
         "/v1/chat/completions/render",
         "/v1/completions/render",
+        # OpenAI's Responses API (stored responses are kept by vLLM in this process's memory).
+        "/v1/responses",
+        "/v1/responses/{response_id}",
+        "/v1/responses/{response_id}/cancel",
+        # Anthropic's Messages API, for clients written against it.
+        "/v1/messages",
+        "/v1/messages/count_tokens",
     }
 )
-GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 OWN_ROUTES = frozenset({"/health", "/ready", "/metrics", "/get_load"})
 
 
@@ -160,15 +170,17 @@ def build_app(
         (``{"load": n}``, fetched without a key, like the health checks)."""
         return JSONResponse({"load": lifecycle.inflight})
 
-    for router in (models_router, chat_router, completion_router, tokenize_router, render_router):
+    routers = (models_router, chat_router, completion_router, tokenize_router, render_router,
+               responses_router, messages_router)  # fmt: skip
+    for router in routers:
         for route in router.routes:
             if getattr(route, "path", None) in VLLM_ROUTES:
                 app.router.routes.append(route)
     init_exception_handler(app)
 
     # add_middleware: the last added runs first. Order of a request: auth, phase gate, body
-    # time limit, body limit, body validation, context-limit message, admission, request deadline,
-    # route.
+    # time limit, body limit, body validation, context-limit message, request caps (which weigh the
+    # request for admission), admission, request deadline, route.
     app.add_middleware(RequestDeadline, paths=GENERATION_ROUTES, seconds=settings.request_timeout_seconds)
     app.add_middleware(
         Admission,
@@ -178,6 +190,7 @@ def build_app(
         retry_after=settings.retry_after_seconds,
         lifecycle=lifecycle,
     )
+    app.add_middleware(RequestCaps, settings=settings, paths=GENERATION_ROUTES)
     app.add_middleware(
         ContextLimitMessage, paths=GENERATION_ROUTES, max_model_len=lambda: engine_max_len(app)
     )

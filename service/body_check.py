@@ -21,16 +21,26 @@ from .guards import read_body, replaying
 
 
 def request_models() -> dict[str, type]:
+    from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
-    return {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+    return {
+        "/v1/chat/completions": ChatCompletionRequest,
+        "/v1/completions": CompletionRequest,
+        "/v1/responses": ResponsesRequest,
+        "/v1/messages": AnthropicMessagesRequest,
+        "/v1/messages/count_tokens": AnthropicCountTokensRequest,
+    }
 
 
 def validation_crash(model: type, body: bytes) -> str | None:
     """Why validating ``body`` with ``model`` crashed, or None if it validated or failed cleanly."""
     try:
         data = json.loads(body)
+    except RecursionError:  # e.g. thousands of nested brackets: the parser's stack, not the client's JSON
+        return "JSON nested too deeply"
     except ValueError:
         return None  # not JSON: vLLM's route answers 400 itself
     if not isinstance(data, dict):

@@ -39,6 +39,8 @@ import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from model.deployment.resolve import DeploymentError
+
 from .preflight_checks import (
     GPU_QUERY,
     KNOWN_GPUS,
@@ -51,16 +53,19 @@ from .preflight_checks import (
     check_plan,
     check_sidecar,
     check_topology,
+    deployment_for,
     gpus_from_torch,
     host_ram_gib,
     parse_gpu_query,
     parse_topology,
     plan_for,
+    problem_text,
     read_config,
     render,
     run_nvidia_smi,
     shm_size,
 )
+from .settings import SettingsError, field_value
 
 # Linux driver needed per CUDA major version (minor-version compatibility: any 13.x runtime runs on
 # a 13.0-capable driver). 580.65.06 is the CUDA 13.0 GA driver.
@@ -371,9 +376,9 @@ def installed_vllm_build() -> str:
     GPUs (a GPU host with both installed); the engine then runs on the CPU, so ``auto`` must not
     demand a visible GPU because torch happens to know CUDA. vLLM's ``vllm_version_matches_substr``
     is what its CUDA platform plugin asks, so both always agree (it touches no GPU); the plugin asks
-    the same function (:func:`model.runtime.cuda_model_choice.vllm_is_cpu_build`).
+    the same function (:func:`model.deployment.implementation.vllm_is_cpu_build`).
     """
-    from model.runtime.cuda_model_choice import vllm_is_cpu_build
+    from model.deployment.implementation import vllm_is_cpu_build
 
     return "cpu" if vllm_is_cpu_build() else "cuda"
 
@@ -428,26 +433,31 @@ def checkpoint_checks(
         config = read_config(checkpoint)
     except (OSError, ValueError) as exc:
         return [Check("checkpoint", "fail", f"{checkpoint}/config.json: {exc}; fix: QWEN4EXP_MODEL_DIR")]
-    checks = [check_implementation(config, env, gpus[0] if gpus else None)]
+    gpu = gpus[0] if gpus else None
+    checks = [check_implementation(config, env, gpu)]
+    try:
+        deployment = deployment_for(config, env, gpu)
+    except (DeploymentError, SettingsError):
+        # The implementation row names every malformed variable; judging the rest by defaults
+        # would pass a deployment the service refuses.
+        why = "the deployment's variables are malformed (see the implementation row)"
+        return checks + [Check("memory plan", "skip", why), Check("KV scales", "skip", why)]
     if not gpus:
         checks.append(Check("memory plan", "skip", "no GPU memory to plan for"))
     else:
         try:
             host = host_gib or host_ram_gib(Path("/proc/meminfo").read_text())
-            plan = plan_for(checkpoint, gpus, tp, env, host)
+            plan = plan_for(checkpoint, gpus, tp, env, host, deployment)
+        except SettingsError as exc:
+            checks.append(Check("memory plan", "fail", problem_text(exc)))
         except (OSError, ValueError, KeyError) as exc:
             checks.append(Check("memory plan", "fail", f"the fit planner cannot plan {checkpoint}: {exc}"))
         else:
             checks.append(check_plan(plan, env))
-            offload = (env.get("VLLM_PLE_CPU_OFFLOAD") or "1").strip().lower() not in (
-                "0",
-                "false",
-                "no",
-                "off",
-            )
             memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
-            checks += check_pinned_memory(plan, memlock, cgroup_memory_limit(), shm_size(), offload)
-    checks.append(check_sidecar(checkpoint, env))
+            pinned = deployment.ple_storage == "pinned"
+            checks += check_pinned_memory(plan, memlock, cgroup_memory_limit(), shm_size(), pinned)
+    checks.append(check_sidecar(checkpoint, deployment))
     return checks
 
 
@@ -456,7 +466,7 @@ def settings_check(env: dict[str, str]) -> Check:
     value or a keys file without a key is reported here with the rest, not at the service's start."""
     if not env.get("QWEN4EXP_MODEL"):
         return Check("service settings", "skip", "QWEN4EXP_MODEL not set: not the service's environment")
-    from .settings import SettingsError, load
+    from .settings import load
 
     try:
         load()
@@ -480,7 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m service.cuda_preflight", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--gpus", type=int, default=int(os.environ.get("QWEN4EXP_TENSOR_PARALLEL_SIZE", "1")))
+    try:
+        tp = field_value("tensor_parallel_size", os.environ)
+    except SettingsError as exc:
+        sys.stderr.write(f"preflight failed: {exc}\n")
+        return PREFLIGHT_EXIT_CODE
+    parser.add_argument("--gpus", type=int, default=tp)
     parser.add_argument("--cuda", help="CUDA runtime version to check for (default: this torch's)")
     parser.add_argument(
         "--readable", action="append", default=[], help="a path this user must read (empty: skipped)"

@@ -9,10 +9,10 @@ server keeps answering (503 while starting, probes) during the tens of seconds l
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import re
+import shlex
 import uuid
 from argparse import Namespace
 
@@ -26,8 +26,15 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from model.deployment import implementation
+from model.deployment.resolve import FP8_MARLIN, V2_RUNNER, Deployment, DeploymentError, GpuFacts, resolve
+from model.runtime import envs
+
+from .chat_features import ChatFeatures
+from .chat_features import resolve as resolve_chat_features
+from .child_environment import export
 from .lifecycle import Lifecycle
-from .settings import ServiceSettings, SettingsError
+from .settings import FIXES, ServiceSettings, SettingsError
 
 log = logging.getLogger("service.engine")
 
@@ -49,8 +56,14 @@ def resolve_device(settings: ServiceSettings) -> str:
     return device
 
 
-def cli_args(settings: ServiceSettings, device: str) -> list[str]:
-    """The ``vllm serve`` flags equivalent to our settings."""
+def cli_args(
+    settings: ServiceSettings,
+    device: str,
+    deployment: Deployment | None = None,
+    features: ChatFeatures | None = None,
+) -> list[str]:
+    """The ``vllm serve`` flags equivalent to our settings, the resolved deployment, the chat
+    features and the operator's extra engine flags (``QWEN4EXP_ENGINE_ARGS``, last)."""
     argv = [
         "--model", str(settings.model),
         "--served-model-name", settings.model_name,
@@ -60,6 +73,8 @@ def cli_args(settings: ServiceSettings, device: str) -> list[str]:
         "--gpu-memory-utilization", str(settings.gpu_memory_utilization),
         # Hybrid align mode (GDN and PLE states saved per block, QSA pages hashed like any attention cache).
         "--enable-prefix-caching" if settings.prefix_caching else "--no-enable-prefix-caching",
+        "--max-logprobs", str(settings.max_logprobs),
+        "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
     ]  # fmt: skip
     if settings.max_model_len is not None:
         argv += ["--max-model-len", str(settings.max_model_len)]
@@ -71,93 +86,118 @@ def cli_args(settings: ServiceSettings, device: str) -> list[str]:
         argv += ["--chat-template", str(settings.chat_template)]
     if settings.enforce_eager or device == "cpu":  # no CUDA graphs on CPU; compiling only costs start time
         argv.append("--enforce-eager")
-    argv += upstream_ple_storage_args(device)
-    argv += gdn_prefill_args(device)
-    return argv
+    if deployment is not None:
+        argv += deployment.engine_args()
+    if features is not None:
+        argv += features.cli_args()
+    return argv + extra_engine_args(settings)
 
 
-def gdn_prefill_args(device: str) -> list[str]:
-    """On CUDA, the Gated DeltaNet prefill kernel when vLLM's own pick cannot run or is not a 3090's.
+# vLLM parameters the service sets itself -> the variable to use instead. Also names the variable
+# when vLLM rejects a value.
+OWNED_PARAMS = {
+    "model": "QWEN4EXP_MODEL",
+    "model_tag": "QWEN4EXP_MODEL",
+    "served_model_name": "QWEN4EXP_SERVED_MODEL_NAME",
+    "tensor_parallel_size": "QWEN4EXP_TENSOR_PARALLEL_SIZE",
+    "dtype": "QWEN4EXP_DTYPE",
+    "kv_cache_dtype": "QWEN4EXP_KV_CACHE_DTYPE",
+    "gpu_memory_utilization": "QWEN4EXP_GPU_MEMORY_UTILIZATION",
+    "enable_prefix_caching": "QWEN4EXP_PREFIX_CACHING",
+    "max_logprobs": "QWEN4EXP_MAX_LOGPROBS",
+    "max_model_len": "QWEN4EXP_MAX_MODEL_LEN",
+    "max_num_seqs": "QWEN4EXP_MAX_NUM_SEQS",
+    "kv_cache_memory_bytes": "QWEN4EXP_KV_CACHE_MEMORY_BYTES",
+    "chat_template": "QWEN4EXP_CHAT_TEMPLATE",
+    "enforce_eager": "QWEN4EXP_ENFORCE_EAGER",
+    "additional_config": "the model's variables (the service writes vLLM's additional_config)",
+    "engram_config": "VLLM_PLE_CPU_OFFLOAD",
+    "enable_auto_tool_choice": "QWEN4EXP_TOOL_CALL_PARSER",
+    "tool_call_parser": "QWEN4EXP_TOOL_CALL_PARSER",
+    "reasoning_parser": "QWEN4EXP_REASONING_PARSER",
+    "host": "QWEN4EXP_HOST",
+    "port": "QWEN4EXP_PORT",
+    "uds": "QWEN4EXP_HOST",
+    "api_key": "QWEN4EXP_API_KEYS",
+}
 
-    vLLM picks FlashInfer's GDN prefill on Hopper, which imports the CuTe DSL (``cutlass``); where
-    that package is missing the engine would fail at its first prefill, so Triton/FLA (what vLLM
-    picks on an RTX 3090, and on every GPU without FlashInfer's kernel) is passed instead, as it is
-    under ``QWEN4EXP_FORCE_SM86=1``. Elsewhere vLLM decides."""
+
+def extra_engine_args(settings: ServiceSettings) -> list[str]:
+    """``QWEN4EXP_ENGINE_ARGS`` split as a shell would; :class:`SettingsError` for a flag the service
+    sets itself (two sources for one value would leave one of them silently ignored) or one vLLM's
+    parser does not know."""
+    if not settings.engine_args:
+        return []
+    try:
+        extra = shlex.split(settings.engine_args)
+    except ValueError as exc:
+        raise SettingsError(
+            f"QWEN4EXP_ENGINE_ARGS={settings.engine_args!r}: {exc}; fix: quote it as a shell would"
+        ) from None
+    actions = make_arg_parser(FlexibleArgumentParser(prog="service"))._option_string_actions
+    problems = []
+    for token in extra:
+        if not token.startswith("-"):
+            continue
+        flag = token.split("=", 1)[0]
+        action = actions.get(flag) or actions.get(flag.replace("_", "-"))
+        if action is None:
+            problems.append(f"{flag} is not a vLLM engine flag")
+        elif action.dest in OWNED_PARAMS:
+            problems.append(f"{flag} is set by the service: use {OWNED_PARAMS[action.dest]}")
+    if problems:
+        raise SettingsError(
+            f"QWEN4EXP_ENGINE_ARGS={settings.engine_args!r}: {'; '.join(problems)}; fix: {FIXES['engine_args']}"
+        )
+    return extra
+
+
+def read_config(settings: ServiceSettings) -> dict | None:
+    """config.json as transformers reads it, or None where it cannot be read here (vLLM's own
+    config check then reports the model with its reason)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(settings.model)).to_dict()
+    except Exception as exc:  # noqa: BLE001 - reported by vLLM's check with its own words
+        log.warning("config.json of %s not readable here (%s)", settings.model, exc)
+        return None
+
+
+def gpu_facts(device: str) -> GpuFacts | None:
+    """The GPU facts the deployment is resolved with, read before any CUDA kernel is imported."""
     import importlib.util
 
-    from model.runtime import sm86
-
     if device != "cuda":
-        return []
-    if not sm86.forced() and importlib.util.find_spec("cutlass") is not None:
-        return []
-    return ["--additional-config", json.dumps({"gdn_prefill_backend": "triton"})]
-
-
-def sm86_forced() -> bool:
-    """``QWEN4EXP_FORCE_SM86`` (:mod:`model.runtime.sm86`): an H100/H200 takes the RTX 3090's paths."""
-    from model.runtime import sm86
-
-    return sm86.forced()
-
-
-def resolve_auto_implementation(settings: ServiceSettings, device: str) -> list[str]:
-    """``QWEN4EXP_CUDA_MODEL=auto`` on CUDA, decided once here from config.json and the GPU.
-
-    vLLM registers the model class in every engine process before any config exists, so the choice
-    is made in this process, from the same facts the subclass checks again in the worker, and
-    exported as ``QWEN4EXP_CUDA_MODEL=upstream|ours`` for the processes vLLM starts. Returns the
-    reasons upstream was not chosen (logged; empty when upstream serves)."""
-    from model.runtime import cuda_model_choice, envs
-
-    if device != "cuda" or envs.cuda_model() != "auto":
-        return []
-    from transformers import AutoConfig
+        return None
     from vllm.platforms import current_platform
 
-    try:
-        config = AutoConfig.from_pretrained(str(settings.model)).to_dict()
-    except Exception as exc:  # vLLM's own config check reports an unreadable model with its reason
-        log.warning("QWEN4EXP_CUDA_MODEL=auto: config.json of %s not readable here (%s)", settings.model, exc)
-        return []
     cap = current_platform.get_device_capability()
-    v2_raw = os.environ.get(cuda_model_choice.V2_RUNNER, "").strip()
-    impl, reasons = cuda_model_choice.choose_implementation(
-        config,
-        os.environ,
-        cuda=True,
+    return GpuFacts(
         capability=None if cap is None else (int(cap.major), int(cap.minor)),
-        kv_cache_dtype=settings.kv_cache_dtype,
-        v2_runner=v2_raw in ("", "1", "true", "True"),
+        has_cute_dsl=importlib.util.find_spec("cutlass") is not None,
     )
-    os.environ[envs.CUDA_MODEL] = impl
-    if reasons:
-        log.warning(
-            "QWEN4EXP_CUDA_MODEL=auto serves ours (vLLM's own CUDA Qwen4-Exp cannot serve this deployment): %s",
-            "; ".join(reasons),
-        )
-    else:
-        log.info("QWEN4EXP_CUDA_MODEL=auto serves vLLM's own CUDA Qwen4-Exp through our subclass")
-    return reasons
 
 
-def upstream_ple_storage_args(device: str) -> list[str]:
-    """``VLLM_PLE_CPU_OFFLOAD=0`` for upstream's model: its PLE tables follow vLLM's
-    ``engram_config.cpu_offload`` (default true, pinned host memory), not our variable, so the
-    device mode is passed on as ``--engram-config``. Ours reads the variable itself. A malformed
-    value or choice is reported by the settings and model-choice checks, not here."""
-    from model.runtime import cuda_model_choice, envs
-
-    if device != "cuda":
-        return []
-    try:
-        choice = cuda_model_choice.chosen()
-        mode = envs.ple_storage_mode()
-    except envs.EnvError:
-        return []
-    if choice != "upstream" or mode == "pinned":
-        return []
-    return ["--engram-config", json.dumps({"cpu_offload": False})]
+def resolve_deployment(settings: ServiceSettings, device: str) -> Deployment:
+    """:func:`model.deployment.resolve.resolve` with this process's facts; logs the choice."""
+    deployment = resolve(
+        os.environ,
+        cpu_build=implementation.vllm_is_cpu_build(),
+        kv_cache_dtype=settings.kv_cache_dtype,
+        config=read_config(settings) if device == "cuda" else None,
+        gpu=gpu_facts(device),
+    )
+    if device == "cuda" and deployment.requested_implementation == "auto":
+        if deployment.upstream:
+            log.info("QWEN4EXP_CUDA_MODEL=auto serves vLLM's own CUDA Qwen4-Exp through our subclass")
+        else:
+            log.warning(
+                "QWEN4EXP_CUDA_MODEL=auto serves ours (vLLM's own CUDA Qwen4-Exp cannot serve this "
+                "deployment): %s",
+                "; ".join(deployment.implementation_reasons),
+            )
+    return deployment
 
 
 def kv_cache_size_problem(settings: ServiceSettings, device: str) -> str | None:
@@ -174,9 +214,17 @@ def kv_cache_size_problem(settings: ServiceSettings, device: str) -> str | None:
 
 
 def parse_args(argv: list[str]) -> Namespace:
+    """vLLM's own parser and checks over the whole command line; what it refuses (it prints why)
+    can only come from ``QWEN4EXP_ENGINE_ARGS``, since the service's own flags are well-formed."""
     parser = make_arg_parser(FlexibleArgumentParser(prog="service"))
-    args = parser.parse_args(argv)
-    validate_parsed_serve_args(args)
+    try:
+        args = parser.parse_args(argv)
+        validate_parsed_serve_args(args)
+    except SystemExit:
+        raise SettingsError(
+            "QWEN4EXP_ENGINE_ARGS: vLLM's parser refused the engine flags (its message is above); "
+            f"fix: {FIXES['engine_args']}"
+        ) from None
     return args
 
 
@@ -191,6 +239,9 @@ VLLM_PARAMS = {
     "max_num_seqs": "QWEN4EXP_MAX_NUM_SEQS",
     "chat_template": "QWEN4EXP_CHAT_TEMPLATE",
     "engram_config": "VLLM_PLE_CPU_OFFLOAD",
+    "max_logprobs": "QWEN4EXP_MAX_LOGPROBS",
+    "tool_call_parser": "QWEN4EXP_TOOL_CALL_PARSER",
+    "reasoning_parser": "QWEN4EXP_REASONING_PARSER",
 }
 
 
@@ -260,32 +311,17 @@ def build_engine(vllm_config: VllmConfig, args: Namespace, lifecycle: Lifecycle)
     )
 
 
-def upstream_choice_problems(vllm_config: VllmConfig) -> list[str]:
-    """When vLLM's own CUDA Qwen4-Exp is to serve (``QWEN4EXP_CUDA_MODEL`` ``upstream``, or ``auto``
-    on CUDA): why it cannot serve this deployment, one line per reason (none otherwise). Checked here
-    so that start-up stops in a second instead of at model construction in the worker (which checks
-    again)."""
-    from model.runtime import cuda_model_choice, envs
-
-    choice = envs.cuda_model()
-    cpu_build = cuda_model_choice.vllm_is_cpu_build()
-    if cuda_model_choice.resolve(choice, cpu_build=cpu_build) != "upstream":
+def upstream_choice_problems(vllm_config: VllmConfig, deployment: Deployment) -> list[str]:
+    """When vLLM's own CUDA Qwen4-Exp is to serve: why it cannot serve this deployment, one line
+    per reason (none otherwise). Checked here with vLLM's resolved configuration, so that start-up
+    stops in a second instead of at model construction in the worker (which checks again)."""
+    if not deployment.upstream:
         return []
-    found = cuda_model_choice.upstream_problems(vllm_config, cpu_build=cpu_build)
-    label = f"{envs.CUDA_MODEL}={choice}" + (" (upstream on CUDA)" if choice == "auto" else "")
+    found = implementation.upstream_problems(vllm_config, cpu_build=deployment.device == "cpu")
+    label = f"{envs.CUDA_MODEL}={deployment.requested_implementation}"
+    if deployment.requested_implementation == "auto":
+        label += " (upstream on CUDA)"
     return [f"{label}: {problem}" for problem in found]
-
-
-def default_model_runner() -> None:
-    """On CUDA, pick the vLLM model runner the chosen implementation needs, unless the operator set
-    ``VLLM_USE_V2_MODEL_RUNNER``: upstream's model needs V2 (its PLE inputs come from V2's model
-    state), ours runs on V1 (under V2 it fails at start-up on the PLE conv state). Set before vLLM
-    builds its config; the engine core and workers inherit it. vLLM's CPU build needs no setting."""
-    from model.runtime import cuda_model_choice
-
-    if cuda_model_choice.vllm_is_cpu_build() or os.environ.get(cuda_model_choice.V2_RUNNER, "").strip():
-        return
-    os.environ[cuda_model_choice.V2_RUNNER] = "1" if cuda_model_choice.chosen() == "upstream" else "0"
 
 
 PLUGIN_GROUP = "vllm.general_plugins"
@@ -329,8 +365,10 @@ def plugin_problem() -> str | None:
     return None
 
 
-def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namespace]:
-    """Device, vLLM config and vLLM args; every problem found is reported together."""
+def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namespace, Deployment]:
+    """Device, vLLM config, vLLM args and the resolved deployment; every problem found is
+    reported together. The variables vLLM's processes need from the environment are exported
+    (:mod:`service.child_environment`) before vLLM builds its configuration, which reads some of them."""
     problems = []
     try:
         device = resolve_device(settings)
@@ -341,27 +379,30 @@ def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namesp
         problems.append(kv_problem)
     if (missing_plugin := plugin_problem()) is not None:
         problems.append(missing_plugin)
-    args = parse_args(cli_args(settings, device))
-    from model.runtime.envs import EnvError
-
     try:
-        if device == "cuda" and sm86_forced():
-            os.environ.setdefault(
-                "VLLM_TEST_FORCE_FP8_MARLIN", "1"
-            )  # FP8 weights through Marlin, as on sm_86
-        resolve_auto_implementation(settings, device)
-        default_model_runner()
-    except EnvError as exc:  # a malformed QWEN4EXP_CUDA_MODEL, reported with the rest
-        problems.append(str(exc))
+        deployment = resolve_deployment(settings, device)
+    except DeploymentError as exc:
+        raise SettingsError("\n".join([*problems, str(exc)])) from None
+    features, feature_problems = resolve_chat_features(settings)
+    problems += feature_problems
+    try:
+        argv = cli_args(settings, device, deployment, features)
+    except SettingsError as exc:
+        raise SettingsError("\n".join([*problems, str(exc)])) from None
+    export(deployment.child_environment(), keep_operator_values=(V2_RUNNER, FP8_MARLIN))
+    for note in features.notes:
+        log.info("%s", note)
+    log.info("vLLM engine flags: %s", shlex.join(argv))
+    args = parse_args(argv)
     try:
         vllm_config = engine_config(args)
     except SettingsError as exc:
         problems.append(str(exc))
     else:
-        problems += upstream_choice_problems(vllm_config)
+        problems += upstream_choice_problems(vllm_config, deployment)
     if problems:
         raise SettingsError("\n".join(problems))
-    return device, vllm_config, args
+    return device, vllm_config, args, deployment
 
 
 async def generate_one_token(engine: AsyncLLM, timeout: float) -> None:

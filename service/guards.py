@@ -8,12 +8,15 @@ request when they see it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
 import os
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -195,8 +198,18 @@ class BodyLimit:
 
 
 class Admission:
-    """At most ``max_running`` generation requests in the engine, ``max_queued`` waiting; beyond
-    that 429 with Retry-After, so overload is refused at once rather than queued without bound."""
+    """At most ``max_running`` sequences in the engine, ``max_queued`` more waiting; beyond that 429
+    with Retry-After, so overload is refused at once rather than queued without bound.
+
+    A request weighs the sequences it makes the engine run (``n``/``best_of`` times its prompts),
+    which ``request_caps.RequestCaps`` puts in ``scope[WEIGHT_KEY]`` (absent: 1): counted per HTTP
+    request, one ``n=16`` request would be admitted as cheaply as a single completion. A weight is
+    clamped to ``max_running``, so that a request heavier than the whole engine still runs, alone.
+    Slots are granted in arrival order: light requests do not overtake a heavy one waiting at the
+    head, which would otherwise starve.
+    """
+
+    WEIGHT_KEY = "qwen4exp.weight"
 
     def __init__(
         self,
@@ -213,25 +226,74 @@ class Admission:
         self.max_running = max_running
         self.retry_after = str(retry_after)
         self.lifecycle = lifecycle
-        self.admitted = 0  # running + queued
-        self._slots: asyncio.Semaphore | None = None
+        self.admitted = 0  # sequences running + queued
+        self.free = max_running  # engine slots (sequences) not held
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    def weight(self, scope: Scope) -> int:
+        value = scope.get(self.WEIGHT_KEY, 1)
+        return min(max(value, 1), self.max_running) if isinstance(value, int) else 1
+
+    def _waiting(self) -> bool:
+        return any(not future.cancelled() for _, future in self._waiters)
+
+    async def _acquire(self, weight: int) -> bool:
+        if self.free >= weight and not self._waiting():
+            self.free -= weight
+            return True
+        entry = (weight, asyncio.get_running_loop().create_future())
+        self._waiters.append(entry)
+        try:
+            await entry[1]
+        except asyncio.CancelledError:
+            if entry[1].done() and not entry[1].cancelled():
+                self._release(weight)  # granted just as it was cancelled: give the slots back
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(entry)
+                self._wake()  # a heavy head leaving may let lighter ones behind it in
+            raise
+        return True
+
+    def _release(self, weight: int) -> None:
+        self.free += weight
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            weight, future = self._waiters[0]
+            if not future.done():
+                if self.free < weight:
+                    return
+                self.free -= weight
+                future.set_result(None)
+            self._waiters.popleft()
+
+    def slots(self, weight: int) -> SimpleNamespace:
+        """``weight`` slots as one semaphore (``locked``/``acquire``/``release``), the interface
+        ``acquire_unless_disconnected`` waits on."""
+        return SimpleNamespace(
+            locked=lambda: self.free < weight or self._waiting(),
+            acquire=lambda: self._acquire(weight),
+            release=lambda: self._release(weight),
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
             await self.app(scope, receive, send)
             return
-        if self.admitted >= self.limit:
-            await send_error(
-                send,
-                429,
-                f"Too many requests: {self.limit} are already running or queued; retry later.",
-                "rate_limit_exceeded",
-                {"Retry-After": self.retry_after},
+        weight = self.weight(scope)
+        if self.admitted + weight > self.limit:
+            message = (
+                f"Too many requests: {self.limit} are already running or queued; retry later."
+                if weight == 1
+                else f"Too many requests: this request's {weight} sequences do not fit in the "
+                f"{self.limit - self.admitted} of {self.limit} admission slots free; retry later."
             )
+            await send_error(send, 429, message, "rate_limit_exceeded", {"Retry-After": self.retry_after})
             return
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.max_running)
-        self.admitted += 1
+        slots = self.slots(weight)
+        self.admitted += weight
         status = 0
 
         async def wrapped(message: Message) -> None:
@@ -243,7 +305,7 @@ class Admission:
         queued = True
         http_metrics.ADMISSION_QUEUED.inc()
         try:
-            acquired, receive = await acquire_unless_disconnected(self._slots, receive)
+            acquired, receive = await acquire_unless_disconnected(slots, receive)
             if not acquired:  # the client left while queued: its place is free, nothing to answer
                 return
             try:
@@ -255,10 +317,10 @@ class Admission:
                 finally:
                     http_metrics.ADMISSION_RUNNING.dec()
             finally:
-                self._slots.release()
+                slots.release()
         finally:
             if queued:  # cancelled while waiting for a slot
                 http_metrics.ADMISSION_QUEUED.dec()
-            self.admitted -= 1
+            self.admitted -= weight
         if status == 200:
             self.lifecycle.generation_succeeded()

@@ -26,7 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model.runtime.cuda_model_choice import SHARED_MEMORY_OPTIN  # one table of the GPUs' opt-in shared memory
+from model.deployment.implementation import SHARED_MEMORY_OPTIN  # one table of the GPUs' opt-in shared memory
+from model.deployment.resolve import Deployment, DeploymentError, GpuFacts, resolve
+from model.runtime import envs
+
+from .settings import SettingsError, field_value
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -180,51 +184,51 @@ def read_config(checkpoint: Path) -> dict[str, Any]:
         return json.loads((checkpoint / "config.json").read_text())
 
 
+def deployment_for(config: Mapping[str, Any] | None, env: Mapping[str, str], gpu: Gpu | None) -> Deployment:
+    """The deployment the service resolves at start-up for these facts, so the preflight judges the
+    same implementation, PLE storage and KV settings; ``DeploymentError`` or ``SettingsError`` (one
+    line per malformed variable, with its fix)."""
+    return resolve(
+        env,
+        cpu_build=False,
+        kv_cache_dtype=field_value("kv_cache_dtype", env),
+        config=config,
+        gpu=None if gpu is None else GpuFacts(gpu.capability, gpu.shared_memory_per_block),
+    )
+
+
+def problem_text(exc: Exception) -> str:
+    """A configuration error as one table cell."""
+    return "; ".join(str(exc).splitlines())
+
+
 def check_implementation(config: Mapping[str, Any], env: Mapping[str, str], gpu: Gpu | None) -> Check:
     """Which Qwen4-Exp implementation ``QWEN4EXP_CUDA_MODEL`` serves on this GPU, and why.
 
     A choice, not a refusal: with ``auto`` the service serves ours wherever upstream cannot, and the
     reasons say what upstream lacks; only an explicit ``upstream`` that upstream cannot serve fails.
+    A malformed variable fails here even without a GPU: the service would not start either.
     """
-    from model.runtime import cuda_model_choice, envs
-
+    try:
+        deployment = deployment_for(config, env, gpu)
+    except (DeploymentError, SettingsError) as exc:
+        return Check("implementation", "fail", problem_text(exc))
     if gpu is None:
         return Check(
             "implementation", "skip", "no GPU to decide for (use --assume-gpu rtx3090 on a CPU machine)"
         )
-    try:
-        asked = envs.cuda_model(env)
-    except envs.EnvError as exc:
-        return Check("implementation", "fail", str(exc))
-    v2_raw = env.get(cuda_model_choice.V2_RUNNER, "").strip()
-    kv = (env.get("QWEN4EXP_KV_CACHE_DTYPE") or "auto").strip().lower()
-    kwargs = dict(
-        cuda=True,
-        capability=gpu.capability,
-        kv_cache_dtype=kv,
-        v2_runner=v2_raw in ("", "1", "true", "True"),
-    )
-    choose = getattr(cuda_model_choice, "choose_implementation", None)
-    if choose is not None:
-        impl, reasons = choose(config, env, shared_memory_per_block=gpu.shared_memory_per_block, **kwargs)
-    else:  # older model code: upstream's problems are the reasons ours serves
-        reasons = cuda_model_choice.problems_for_upstream(
-            config, env, shared_memory_per_block=gpu.shared_memory_per_block, **kwargs
-        )
-        impl = "upstream" if asked == "upstream" or not reasons else "ours"
-        if asked == "ours":
-            impl, reasons = "ours", [f"{envs.CUDA_MODEL}=ours"]
+    reasons = deployment.implementation_reasons
     where = f"{gpu.name} (sm_{gpu.capability[0]}{gpu.capability[1]})" if gpu.capability else gpu.name
-    if impl == "upstream" and reasons:
+    if deployment.upstream and reasons:
         return Check(
             "implementation",
             "fail",
             f"{envs.CUDA_MODEL}=upstream cannot serve on {where}: " + "; ".join(reasons),
         )
-    if impl == "upstream":
+    if deployment.upstream:
         return Check("implementation", "ok", f"upstream (vLLM's CUDA qwen4_exp + our subclass) on {where}")
-    why = "; ".join(reasons)
-    return Check("implementation", "ok", f"ours on {where} ({envs.CUDA_MODEL}={asked}): {why}")
+    asked = deployment.requested_implementation
+    return Check("implementation", "ok", f"ours on {where} ({envs.CUDA_MODEL}={asked}): {'; '.join(reasons)}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,32 +254,36 @@ def cgroup_memory_limit(root: Path = Path("/sys/fs/cgroup")) -> int | None:
     return None
 
 
-def env_int(env: Mapping[str, str], name: str, default: int | None) -> int | None:
-    raw = (env.get(name) or "").strip()
-    return int(raw) if raw.isdigit() else default
-
-
-def plan_for(checkpoint: Path, gpus: list[Gpu], tp: int, env: Mapping[str, str], host_gib: float):
+def plan_for(
+    checkpoint: Path,
+    gpus: list[Gpu],
+    tp: int,
+    env: Mapping[str, str],
+    host_gib: float,
+    deployment: Deployment,
+):
+    """The fit planner's plan for the service's settings (``SettingsError`` on a malformed one) and
+    the resolved deployment (cache dtype, PLE storage)."""
     from model.tools.planner import Machine, Options, make_plan
 
-    kv = (env.get("QWEN4EXP_KV_CACHE_DTYPE") or "auto").strip().lower()
     gpu_gib = min(g.memory_mib or 0 for g in gpus) / 1024 * (23.7 / 24.0)  # what torch reports
-    util = float(env.get("QWEN4EXP_GPU_MEMORY_UTILIZATION") or 0.9)
-    offload = (env.get("VLLM_PLE_CPU_OFFLOAD") or "1").strip().lower() not in ("0", "false", "no", "off")
     options = Options(
         tp=tp,
-        kv_cache_dtype="fp8" if kv.startswith("fp8") else "bf16",
+        kv_cache_dtype="fp8" if deployment.kv_cache_dtype.startswith("fp8") else "bf16",
         expert_weights="auto",
-        seq_len=env_int(env, "QWEN4EXP_MAX_MODEL_LEN", None),
-        gpu_memory_utilization=util,
-        prefix_caching=(env.get("QWEN4EXP_PREFIX_CACHING") or "true").strip().lower() not in ("0", "false"),
-        ple_on_device=not offload,
+        seq_len=field_value("max_model_len", env),
+        gpu_memory_utilization=field_value("gpu_memory_utilization", env),
+        prefix_caching=field_value("prefix_caching", env),
+        ple_on_device=deployment.ple_storage == "device",
     )
     return make_plan(checkpoint, Machine(gpus=len(gpus), gpu_mem_gib=gpu_gib, host_ram_gib=host_gib), options)
 
 
 def check_plan(plan, env: Mapping[str, str]) -> Check:
-    seqs = env_int(env, "QWEN4EXP_MAX_NUM_SEQS", None)
+    try:
+        seqs = field_value("max_num_seqs", env)
+    except SettingsError as exc:
+        return Check("memory plan", "fail", problem_text(exc))
     cap = plan.capacity
     weights = plan.weights_bytes_per_rank / GIB
     head = (
@@ -454,23 +462,26 @@ def sidecar_problem(sidecar: Path, checkpoint: Path, strict: bool = True) -> str
     return None
 
 
-def check_sidecar(checkpoint: Path, env: Mapping[str, str]) -> Check:
-    kv = (env.get("QWEN4EXP_KV_CACHE_DTYPE") or "auto").strip().lower()
-    path = (env.get("VLLM_QSA_KV_SCALES") or "").strip()
+def check_sidecar(checkpoint: Path, deployment: Deployment) -> Check:
+    """The resolved deployment's sidecar (``VLLM_QSA_KV_SCALES``, ``VLLM_QSA_KV_SCALES_STRICT``)
+    against the checkpoint and the cache dtype."""
+    kv = deployment.kv_cache_dtype
+    path = deployment.qsa_kv.scales_path
     if not kv.startswith("fp8"):
-        if path:
+        if path is not None:
             return Check(
-                "KV scales", "fail", f"VLLM_QSA_KV_SCALES={path} with a {kv} cache; fix: unset it or use fp8"
+                "KV scales",
+                "fail",
+                f"{envs.QSA_KV_SCALES}={path} with a {kv} cache; fix: unset it or use fp8",
             )
         return Check("KV scales", "skip", f"QWEN4EXP_KV_CACHE_DTYPE={kv}: no FP8 cache")
-    if not path:
+    if path is None:
         return Check(
             "KV scales",
             "warn",
-            "FP8 cache without VLLM_QSA_KV_SCALES runs uncalibrated (scale 1.0); fix: the calibrate profile",
+            f"FP8 cache without {envs.QSA_KV_SCALES} runs uncalibrated (scale 1.0); fix: the calibrate profile",
         )
-    strict = (env.get("VLLM_QSA_KV_SCALES_STRICT") or "1").strip().lower() not in ("0", "false", "no", "off")
-    problem = sidecar_problem(Path(path), checkpoint, strict)
+    problem = sidecar_problem(path, checkpoint, deployment.qsa_kv.strict)
     if problem:
         return Check("KV scales", "fail", problem + "; fix: run the calibrate profile for this checkpoint")
     return Check("KV scales", "ok", f"{path} covers the checkpoint's QSA layers")

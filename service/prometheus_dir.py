@@ -4,7 +4,8 @@ vLLM's workers (and the model code's ``qwen4exp_*`` metrics in them) are separat
 samples reach ``/metrics`` only through prometheus-client's multiprocess mode, which is chosen
 when prometheus_client is first imported in each process. So ``PROMETHEUS_MULTIPROC_DIR`` has to
 be in ``os.environ`` before this process imports vLLM or prometheus_client; children inherit it.
-A reused directory double-counts, hence a new one per start. This module imports neither.
+A reused directory double-counts, hence a new one per start. This module imports neither;
+the variable is written through :mod:`service.child_environment`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import os
 import shutil
 import sys
 import tempfile
+
+from service.child_environment import export
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -27,7 +30,7 @@ def create() -> str:
     if parent is not None:
         os.makedirs(parent, exist_ok=True)
     path = tempfile.mkdtemp(prefix="qwen4exp-prom-", dir=parent)
-    os.environ[ENV] = path
+    export({ENV: path})
     return path
 
 

@@ -26,10 +26,11 @@ from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.launcher import NoSignalServer
 from vllm.version import __version__ as vllm_version
 
-from model.runtime import cuda_model_choice, envs
+from model.runtime import envs
 
 from . import http_metrics
 from .app import build_app
+from .child_environment import export
 from .engine import build_engine, configure_engine, generate_one_token
 from .lifecycle import Lifecycle, Phase
 from .settings import ServiceSettings, SettingsError
@@ -95,20 +96,20 @@ def engine_death_reason() -> str:
 
 
 async def serve(settings: ServiceSettings, sock: socket.socket) -> int:
-    device, vllm_config, args = configure_engine(settings)
-    # The engine core (a child process, which inherits this) writes its fatal reason here.
+    device, vllm_config, args, deployment = configure_engine(settings)
+    # The engine core (a child process) writes its fatal reason here. Through the environment, not
+    # additional_config: a per-start path there would change vLLM's config hash, the compile cache's key.
     fatal_fd, fatal_path = tempfile.mkstemp(prefix="qwen4exp-engine-fatal-")
     os.close(fatal_fd)
-    os.environ[envs.ENGINE_FATAL_FILE] = fatal_path
+    export({envs.ENGINE_FATAL_FILE: fatal_path})
     lifecycle = Lifecycle()
     app, asgi = build_app(settings, args, lifecycle, device)
     http_metrics.SERVICE_INFO.labels(
-        # model_impl: configure_engine above already refused a malformed QWEN4EXP_CUDA_MODEL.
         settings.model_name,
         device,
         str(settings.tensor_parallel_size),
         vllm_version,
-        cuda_model_choice.chosen(),
+        deployment.implementation,
     ).set(1)
     config = uvicorn.Config(
         asgi,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -55,6 +56,16 @@ FIXES: dict[str, str] = {
     "body_timeout_seconds": "use a positive number of seconds",
     "request_timeout_seconds": "use a positive number of seconds",
     "chat_template": "point it at a readable Jinja template file, or leave it unset",
+    "tool_call_parser": "use auto, none or a vLLM tool-call parser name (e.g. hermes, qwen3_coder, qwen3_xml)",
+    "reasoning_parser": "use auto, none or a vLLM reasoning parser name (e.g. qwen3)",
+    "max_logprobs": "use an integer >= 0",
+    "engine_args": "use vLLM flags, shell-quoted, that the service does not set itself",
+    "max_n": "use a positive integer",
+    "max_prompts_per_request": "use a positive integer",
+    "max_stop_sequences": "use an integer >= 0",
+    "max_logit_bias_entries": "use an integer >= 0",
+    "max_tools": "use an integer >= 0",
+    "max_tool_schema_bytes": "use an integer >= 256",
     "log_level": "use debug, info, warning or error",
 }
 
@@ -119,10 +130,13 @@ class ServiceSettings(BaseSettings):
     )
     metrics_open: bool = Field(False, description="Serve `/metrics` without a key.")
     max_concurrent_requests: int = Field(
-        32, ge=1, description="Generation requests handed to the engine at once."
+        32,
+        ge=1,
+        description="Sequences handed to the engine at once (a request counts `n` x its prompts, "
+        "at most this many).",
     )
     max_queued_requests: int = Field(
-        64, ge=0, description="Generation requests waiting for a slot; beyond running + queued: 429."
+        64, ge=0, description="Sequences waiting for a slot; beyond running + queued: 429."
     )
     retry_after_seconds: int = Field(1, ge=1, description="`Retry-After` sent with 429 and 503.")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body; larger: 413.")
@@ -149,9 +163,47 @@ class ServiceSettings(BaseSettings):
         "last SSE event when streaming).",
     )
     chat_template: Path | None = Field(None, description="Jinja chat template overriding the checkpoint's.")
+    tool_call_parser: str = Field(
+        "auto",
+        min_length=1,
+        description="vLLM tool-call parser for `tools` in chat requests: `auto` picks it from the chat "
+        "template (`<tool_call>` JSON: `hermes`; `<function=...>` XML: `qwen3_coder`), `none` turns "
+        "tool calls off (requests with `tools` get a 400), or any parser name vLLM lists.",
+    )
+    reasoning_parser: str = Field(
+        "auto",
+        min_length=1,
+        description="vLLM reasoning parser splitting the thinking block into `reasoning_content`: "
+        "`auto` takes `qwen3` where the chat template has a `<think>` block, `none` leaves it in "
+        "`content`, or any parser name vLLM lists.",
+    )
+    max_logprobs: int = Field(20, ge=0, description="Most `logprobs`/`top_logprobs` a request may ask for.")
+    engine_args: str | None = Field(
+        None,
+        description="Extra vLLM engine flags, shell-quoted, e.g. `--max-num-batched-tokens 4096 "
+        "--scheduling-policy priority`; parsed by vLLM's own parser at start-up. Flags the service sets "
+        "from its own settings are refused (use those settings).",
+    )
+    # Per-request caps, checked before the engine sees a request (400 naming the limit).
+    max_n: int = Field(16, ge=1, description="Most completions one request may ask for (`n`, `best_of`).")
+    max_prompts_per_request: int = Field(64, ge=1, description="Most prompts in one `/v1/completions` list.")
+    max_stop_sequences: int = Field(16, ge=0, description="Most `stop` strings in one request.")
+    max_logit_bias_entries: int = Field(300, ge=0, description="Most `logit_bias` entries in one request.")
+    max_tools: int = Field(128, ge=0, description="Most `tools` in one chat request.")
+    max_tool_schema_bytes: int = Field(
+        65536, ge=256, description="Largest JSON size of one request's `tools` and `response_format` schemas."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
-    @field_validator("device", "dtype", "kv_cache_dtype", "log_level", mode="before")
+    @field_validator(
+        "device",
+        "dtype",
+        "kv_cache_dtype",
+        "log_level",
+        "tool_call_parser",
+        "reasoning_parser",
+        mode="before",
+    )
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value
@@ -248,6 +300,29 @@ def _lookup_ci(name: str) -> str | None:
         if key.upper() == name:
             return value
     return None
+
+
+def field_value(field: str, env: Mapping[str, str]) -> Any:
+    """``QWEN4EXP_<FIELD>`` in ``env``, validated exactly as :class:`ServiceSettings` validates that
+    field (type, constraints, its validators); unset or empty: the field's default. For code that
+    needs a few values without the whole configuration (the preflight), so that a value cannot mean
+    one thing there and another to the service. ``SettingsError`` names the variable and the fix."""
+    info = ServiceSettings.model_fields[field]
+    name = _env_name(field)
+    raw = next((v for k, v in env.items() if k.upper() == name), None)
+    if raw is None or raw == "":
+        if info.is_required():
+            raise SettingsError(f"{name} (not set): is required; fix: {FIXES[field]}")
+        return info.get_default(call_default_factory=True)
+    try:
+        # The model's validator on one field of an unvalidated instance: no other field is read.
+        checked = ServiceSettings.__pydantic_validator__.validate_assignment(
+            ServiceSettings.model_construct(), field, raw
+        )
+    except ValidationError as exc:
+        why = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        raise SettingsError(f"{name}={raw!r}: {why}; fix: {FIXES[field]}") from None
+    return getattr(checked, field)
 
 
 def unknown_prefixed_variables() -> list[str]:

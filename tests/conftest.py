@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -55,3 +57,20 @@ def tiny_checkpoint() -> Path:
 @pytest.fixture(scope="session")
 def wide_checkpoint() -> Path:
     return ensure_checkpoint("wide")
+
+
+def write_api_keys(directory: Path, text: str, name: str = "api-keys") -> Path:
+    """Write ``text`` as an API-keys file (``QWEN4EXP_API_KEYS_FILE``) and return its path.
+
+    Raw text rather than a list of keys, so that a test can write what a broken secret mount leaves
+    (empty, comments only). Fixtures wider than one test use this; tests use ``api_keys_file``.
+    """
+    path = directory / name
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def api_keys_file(tmp_path) -> Callable[[str], Path]:
+    """``api_keys_file(text)``: the test's API-keys file (``tmp_path/api-keys``) with this text."""
+    return functools.partial(write_api_keys, tmp_path)

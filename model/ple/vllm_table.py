@@ -7,7 +7,7 @@ tensor-parallel ranks (ETP: each rank owns a contiguous row range, rows of other
 zero, and the ranks' partial results are summed). Tables may be stored as bf16, FP8 E4M3 or
 NVFP4 (see ``model.tools.ple_quantize`` for the checkpoint convention); quantized rows are gathered in
 their stored form and dequantized after the lookup. The layer that uses the table is
-``model.ple.vllm_layer``.
+``model.ours.ple_layer``.
 """
 
 from __future__ import annotations

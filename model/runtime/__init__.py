@@ -1,7 +1,7 @@
-"""What every vLLM process and the service import at run time: the plugin and what it installs.
+"""What every vLLM process runs, on the floor above the math: variables, guards, metrics, vLLM fixes.
 
-vLLM calls ``model.runtime.plugin:register`` (the ``vllm.general_plugins`` entry point) in each of its
-processes; it registers ``model.adapter`` or ``model.upstream`` lazily and installs the engine guard,
-the vLLM fixes and the detokenizer priming. The service validates ``envs`` and resolves the
-implementation (``cuda_model_choice``) before vLLM starts; both implementations import the checks.
+``envs`` declares every model environment variable with its one parser; ``additional_config`` names
+this project's section of vLLM's configuration; ``engine_guard``, ``vllm_fixes`` and
+``detokenize_prime`` are installed by ``model.plugin`` in each vLLM process. Nothing here imports a
+higher floor (see ``model/__init__.py``).
 """

@@ -413,10 +413,10 @@ def qsa_selection(cuda: bool, env: Mapping[str, str] | None = None) -> str:
 
 def cuda_model(env: Mapping[str, str] | None = None) -> str:
     """``QWEN4EXP_CUDA_MODEL``: ``"auto"`` (default), ``"ours"`` or ``"upstream"``; :class:`EnvError` if
-    malformed. :func:`model.runtime.cuda_model_choice.resolve` turns ``auto`` into the implementation.
+    malformed. :func:`model.deployment.implementation.resolve` turns ``auto`` into the implementation.
 
     Only the choice: whether upstream can serve a deployment is decided by
-    :func:`model.runtime.cuda_model_choice.problems_for_upstream` (on vLLM's CPU build only ours runs, so
+    :func:`model.deployment.implementation.problems_for_upstream` (on vLLM's CPU build only ours runs, so
     ``upstream`` is refused there).
     """
     return read(CUDA_MODEL, env)

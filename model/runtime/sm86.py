@@ -11,7 +11,7 @@ Hopper (sm_90) cards, where vLLM and upstream would otherwise choose differently
 - Kernel tiles: sized for 101,376 bytes of shared memory per block (a 3090's opt-in limit), not
   the card's own (:mod:`model.upstream.indexer_tiles`).
 - Hyper-connections: no CuTe-DSL down+SiLU kernel (sm_90+ only), vLLM's linear layer as on sm_86
-  (:mod:`model.upstream.kernels`).
+  (:mod:`model.upstream.optional_kernels`).
 
 Only the standard library and :mod:`model.runtime.envs` here: the service reads it before vLLM is imported.
 """

@@ -8,7 +8,7 @@ Usage::
 Why a planner: a 4x RTX 3090 node has 96 GB of GPU memory and the model does not simply "fit or
 not". Experts, attention and GDN projections shard across tensor-parallel ranks, but the
 hyper-connections, the QSA indexer and the MoE router are replicated on every rank (this is what
-``model/adapter`` builds), KV heads are replicated once TP exceeds them, the PLE n-gram tables
+``model/ours`` builds), KV heads are replicated once TP exceeds them, the PLE n-gram tables
 (~45B parameters) live in pinned host memory sharded by rows (ETP), and vLLM's hybrid KV-cache
 manager pads every Mamba-style state to the attention page size. The planner mirrors those rules
 so the numbers in ``compose.yaml`` and the Helm chart come from arithmetic, not guesses.
@@ -21,7 +21,7 @@ checks the tiny model against a real engine on the CPU):
   parameters: they are reported separately, as host (pinned) memory.
 * KV cache: one paged QSA row per token and QSA layer, ``[K | V | index key]`` for the KV heads this
   rank holds (``max(1, kv_heads // tp)``); FP8 stores K and V as 1-byte codes and keeps the index
-  key in the model dtype (``model/adapter/qsa_attention.py``).
+  key in the model dtype (``model/ours/qsa_attention.py``).
 * per-request state: Gated DeltaNet conv + SSM state per GDN layer (sharded by TP) and the PLE
   token history + dilated-conv state per PLE layer (replicated), each padded to the common page.
 * vLLM's block arithmetic: ``Platform._align_hybrid_block_size`` (attention block grown until a

@@ -2,5 +2,5 @@
 
 Our FP8 QSA cache and PLE table formats, short GDN prefills in one launch, indexer tiles sized for the
 GPU, checks of optional kernels. vLLM imports ``model.upstream.model`` through the lazy target that
-``model.runtime.plugin`` registers where upstream serves; ``UPSTREAM_CUDA.md`` here maps upstream's code.
+``model.plugin`` registers where upstream serves; ``UPSTREAM_CUDA.md`` here maps upstream's code.
 """

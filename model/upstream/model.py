@@ -7,10 +7,10 @@ relies on one of those features without it would be silently wrong (an FP8 cache
 calibrated scales, a missing calibration dump, FP8/NVFP4 PLE codes read as bf16). So the classes
 here are thin subclasses of upstream's that fail closed: their ``__init__`` gathers the deployment's
 facts from ``vllm_config`` and raises one ``ValueError`` listing every problem
-(:func:`model.runtime.cuda_model_choice.problems_for_upstream`) before upstream builds anything.
+(:func:`model.deployment.implementation.problems_for_upstream`) before upstream builds anything.
 
-What they carry already, from :mod:`model.upstream.qsa` (installed when this module
-is imported on the CUDA build): the FP8 E4M3 QSA cache written by our encoder and read by our
+What they carry, installed by :func:`model.upstream.patches.apply` when the first of them is
+constructed (never on import), with the deployment's switches; from :mod:`model.upstream.qsa`: the FP8 E4M3 QSA cache written by our encoder and read by our
 kernel's bit-trick decode on any GPU (sm_86, the RTX 3090, has no native FP8), the static per-layer
 K/V scale sidecar (``VLLM_QSA_KV_SCALES``), the calibration collector (``VLLM_QSA_KV_COLLECT``) and
 the device-side clip counters (``VLLM_QSA_KV_CLIP_COUNT``).
@@ -37,111 +37,78 @@ refused the same way (the service sets the V2 runner itself). Since these classe
 (``tests/gpu/test_upstream_cuda.py``, docs/validation.md), they are what ``QWEN4EXP_CUDA_MODEL=auto`` (the
 default) serves on CUDA.
 
-vLLM imports this module only when the class is needed (``model.runtime.plugin`` registers lazy
-``module:Class`` strings). On vLLM's CPU build upstream cannot even be imported (it needs CUDA
-kernels and torchvision), so there the module defines only ``*RefusedOnCpuBuild`` stand-ins: ours,
-so that vLLM's inspection and config checks before construction behave as for ours, and a
-constructor that always raises the problem list (naming ``QWEN4EXP_CUDA_MODEL``) instead of
-serving ours under the name ``upstream``.
+vLLM imports this module only when the class is needed (``model.plugin`` registers lazy
+``module:Class`` strings), and only on CUDA: on vLLM's CPU build ``upstream`` registers the stand-ins
+of :mod:`model.ours.upstream_stand_ins` instead, which refuse to be built.
 """
 
 from __future__ import annotations
 
-from model.runtime.cuda_model_choice import (
-    captures_cuda_graphs,
-    refuse_unless_upstream_can_serve,
-    vllm_is_cpu_build,
+from vllm.models.qwen4_exp.nvidia.model import Qwen4ExpForCausalLM as _UpstreamForCausalLM
+from vllm.models.qwen4_exp.nvidia.model import (
+    Qwen4ExpForConditionalGeneration as _UpstreamForConditionalGeneration,
 )
 
-if vllm_is_cpu_build():
-    from model.adapter.model import Qwen4ExpForCausalLM as _OursForCausalLM
-    from model.adapter.model import Qwen4ExpForConditionalGeneration as _OursForConditionalGeneration
+from model.deployment import resolve
+from model.deployment.implementation import captures_cuda_graphs, refuse_unless_upstream_can_serve
+from model.runtime.quant_checks import check_must_stay_unquantized
+from model.upstream import optional_kernels, patches
+from model.upstream import qsa as upstream_qsa
 
-    class Qwen4ExpForCausalLMRefusedOnCpuBuild(_OursForCausalLM):
-        """``QWEN4EXP_CUDA_MODEL=upstream`` on vLLM's CPU build: refuses to be constructed."""
 
-        def __init__(self, *, vllm_config, prefix: str = "") -> None:
-            refuse_unless_upstream_can_serve(vllm_config, cpu_build=True)
-            raise AssertionError("unreachable: the CPU build is always a problem for upstream")
+def _prepare(vllm_config) -> None:
+    """What every upstream subclass does first, before upstream builds anything: read the
+    deployment vLLM was given, refuse what upstream cannot serve (every reason at once), install our
+    patches of upstream's modules (:func:`model.upstream.patches.apply`) and, where vLLM captures CUDA graphs,
+    check that upstream's graph breaks are in place."""
+    deployment = resolve.of(vllm_config)
+    deployment.require("upstream")
+    _read_output_gate_as_transformers_does(vllm_config)
+    refuse_unless_upstream_can_serve(vllm_config)
+    patches.apply(deployment)
+    if captures_cuda_graphs(vllm_config):
+        optional_kernels.refuse_missing_graph_breaks()
 
-    class Qwen4ExpForConditionalGenerationRefusedOnCpuBuild(_OursForConditionalGeneration):
-        """``QWEN4EXP_CUDA_MODEL=upstream`` on vLLM's CPU build: refuses to be constructed."""
 
-        def __init__(self, *, vllm_config, prefix: str = "") -> None:
-            refuse_unless_upstream_can_serve(vllm_config, cpu_build=True)
-            raise AssertionError("unreachable: the CPU build is always a problem for upstream")
+def _read_output_gate_as_transformers_does(vllm_config) -> None:
+    """A null ``output_gate_type`` is ``hidden_act`` in transformers (``configuration_qwen4_exp``:
+    ``self.output_gate_type or self.hidden_act``); upstream's GDN layer asserts on null, so the
+    config object it reads gets the value transformers uses before the layers are built."""
+    text = vllm_config.model_config.hf_text_config
+    if getattr(text, "output_gate_type", None) is None:
+        text.output_gate_type = getattr(text, "hidden_act", "silu")
 
-else:
-    from vllm.models.qwen4_exp.nvidia.model import Qwen4ExpForCausalLM as _UpstreamForCausalLM
-    from vllm.models.qwen4_exp.nvidia.model import (
-        Qwen4ExpForConditionalGeneration as _UpstreamForConditionalGeneration,
+
+def _refuse_quantized_indexer(model, vllm_config) -> None:
+    """A checkpoint whose quantization config reaches the QSA indexer projection stops start-up,
+    as it does on ours (``model.runtime.quant_checks``): token selection must not move with the weight
+    format. Our subclass keeps that projection its own layer under any weight quantization, so
+    an AWQ/GPTQ/compressed-tensors config that does not exclude it would quantize it."""
+    quant_config = vllm_config.quant_config
+    check_must_stay_unquantized(model, None if quant_config is None else quant_config.get_name())
+
+
+class Qwen4ExpForCausalLM(_UpstreamForCausalLM):
+    """Upstream's text model; refuses, before building anything, what upstream cannot serve
+    (see the module docstring for the list and what this class will gain)."""
+
+    packed_modules_mapping = upstream_qsa.unfused_qkv_mapping(_UpstreamForCausalLM.packed_modules_mapping)
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        _prepare(vllm_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        _refuse_quantized_indexer(self, vllm_config)
+
+
+class Qwen4ExpForConditionalGeneration(_UpstreamForConditionalGeneration):
+    """Upstream's vision-language model (its multimodal processor is inherited); refuses what
+    upstream cannot serve, like :class:`Qwen4ExpForCausalLM`."""
+
+    packed_modules_mapping = upstream_qsa.unfused_qkv_mapping(
+        _UpstreamForConditionalGeneration.packed_modules_mapping
     )
 
-    from model.runtime import envs, sm86
-    from model.runtime.quant_checks import check_must_stay_unquantized
-    from model.upstream import gdn as upstream_gdn
-    from model.upstream import hc_mix as upstream_hc_mix
-    from model.upstream import indexer_tiles as upstream_indexer_tiles
-    from model.upstream import kernels as upstream_kernels
-    from model.upstream import ple as upstream_ple
-    from model.upstream import qsa as upstream_qsa
-
-    # Before any model is built: upstream's decoder layers then construct our QSA owner, and its
-    # PLE layers our table formats; its HC layers stay off a CuTe-DSL kernel whose packages are
-    # missing or that a 3090 would not pick (upstream_kernels says why); unless
-    # QWEN4EXP_GDN_SHORT_PREFILL=0 its Triton-path GDN prefills shorter than one chunk take one
-    # recurrent kernel launch (upstream_gdn: what a prefix-cache hit computes).
-    upstream_qsa.install()
-    upstream_ple.install()
-    upstream_kernels.disable_cute_dsl_hc(force_sm86=sm86.forced())
-    upstream_indexer_tiles.install()
-    if envs.read(envs.GDN_SHORT_PREFILL):
-        upstream_gdn.install()
-    if envs.read(envs.HC_REFERENCE_ROUNDING):
-        upstream_hc_mix.install()
-
-    def _read_output_gate_as_transformers_does(vllm_config) -> None:
-        """A null ``output_gate_type`` is ``hidden_act`` in transformers (``configuration_qwen4_exp``:
-        ``self.output_gate_type or self.hidden_act``); upstream's GDN layer asserts on null, so the
-        config object it reads gets the value transformers uses before the layers are built."""
-        text = vllm_config.model_config.hf_text_config
-        if getattr(text, "output_gate_type", None) is None:
-            text.output_gate_type = getattr(text, "hidden_act", "silu")
-
-    def _refuse_quantized_indexer(model, vllm_config) -> None:
-        """A checkpoint whose quantization config reaches the QSA indexer projection stops start-up,
-        as it does on ours (``model.runtime.quant_checks``): token selection must not move with the weight
-        format. Our subclass keeps that projection its own layer under any weight quantization, so
-        an AWQ/GPTQ/compressed-tensors config that does not exclude it would quantize it."""
-        quant_config = vllm_config.quant_config
-        check_must_stay_unquantized(model, None if quant_config is None else quant_config.get_name())
-
-    class Qwen4ExpForCausalLM(_UpstreamForCausalLM):
-        """Upstream's text model; refuses, before building anything, what upstream cannot serve
-        (see the module docstring for the list and what this class will gain)."""
-
-        packed_modules_mapping = upstream_qsa.unfused_qkv_mapping(_UpstreamForCausalLM.packed_modules_mapping)
-
-        def __init__(self, *, vllm_config, prefix: str = "") -> None:
-            _read_output_gate_as_transformers_does(vllm_config)
-            refuse_unless_upstream_can_serve(vllm_config)
-            if captures_cuda_graphs(vllm_config):
-                upstream_kernels.refuse_missing_graph_breaks()
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
-            _refuse_quantized_indexer(self, vllm_config)
-
-    class Qwen4ExpForConditionalGeneration(_UpstreamForConditionalGeneration):
-        """Upstream's vision-language model (its multimodal processor is inherited); refuses what
-        upstream cannot serve, like :class:`Qwen4ExpForCausalLM`."""
-
-        packed_modules_mapping = upstream_qsa.unfused_qkv_mapping(
-            _UpstreamForConditionalGeneration.packed_modules_mapping
-        )
-
-        def __init__(self, *, vllm_config, prefix: str = "model") -> None:
-            _read_output_gate_as_transformers_does(vllm_config)
-            refuse_unless_upstream_can_serve(vllm_config)
-            if captures_cuda_graphs(vllm_config):
-                upstream_kernels.refuse_missing_graph_breaks()
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
-            _refuse_quantized_indexer(self, vllm_config)
+    def __init__(self, *, vllm_config, prefix: str = "model") -> None:
+        _prepare(vllm_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        _refuse_quantized_indexer(self, vllm_config)

@@ -38,10 +38,12 @@ from vllm.models.qwen4_exp.nvidia import model as upstream_model
 from vllm.models.qwen4_exp.nvidia import qsa as upstream_qsa
 from vllm.v1.attention.backend import AttentionType
 
-from model.adapter.qsa_attention import _eager, qsa_layer_names
-from model.qsa_kv.settings import QSAKVSettings, resolve_kv_format
+from model.deployment import resolve
+from model.qsa_kv.layer_names import qsa_layer_names
+from model.qsa_kv.settings import resolve_kv_format
 from model.qsa_kv.state import QSAKVState
 from model.runtime import envs
+from model.runtime.execution_mode import runs_eagerly
 from model.upstream import qsa_glue as glue
 
 _UpstreamOwner = upstream_qsa.Qwen4ExpQSAAttention
@@ -220,9 +222,9 @@ class Qwen4ExpQSAAttentionSm86(_UpstreamOwner):
         self.kv_state = QSAKVState(
             layer_name=prefix,
             kv_format=resolve_kv_format(self.kv_cache_dtype, vllm_config.model_config.dtype),
-            settings=QSAKVSettings.from_env(),
+            settings=resolve.of(vllm_config).qsa_kv,
             expected_layers=qsa_layer_names(prefix, config.layer_types),
-            eager=_eager(vllm_config),
+            eager=runs_eagerly(vllm_config),
             model=str(vllm_config.model_config.model),
             cache_dtype=str(self.kv_cache_dtype),
             engine=vllm_config.instance_id,

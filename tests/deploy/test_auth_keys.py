@@ -9,7 +9,6 @@ on the next request, and a version of the file without any key is ignored (the p
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import ROOT, ensure_checkpoint
+from tests.net import free_port, wait_ready
 from tests.service.conftest import service_env as base_service_env
 
 STARTUP_TIMEOUT_S = 300
@@ -33,16 +33,9 @@ def service_env(**overrides: str) -> dict[str, str]:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("content", ["", "# keys go here\n\n   \n"])
-def test_a_keys_file_without_a_key_stops_start_up(tmp_path, content):
-    keys = tmp_path / "api-keys"
-    keys.write_text(content)
+def test_a_keys_file_without_a_key_stops_start_up(api_keys_file, content):
+    keys = api_keys_file(content)
     proc = subprocess.run(
         [sys.executable, "-m", "service"],
         cwd=ROOT,
@@ -63,9 +56,8 @@ def replace_atomically(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def test_keys_rotate_without_restart_and_never_fall_open(tmp_path):
-    keys = tmp_path / "api-keys"
-    keys.write_text(f"# rotated by the operator\n{OLD_KEY}\n")
+def test_keys_rotate_without_restart_and_never_fall_open(tmp_path, api_keys_file):
+    keys = api_keys_file(f"# rotated by the operator\n{OLD_KEY}\n")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "service.log"
@@ -79,16 +71,14 @@ def test_keys_rotate_without_restart_and_never_fall_open(tmp_path):
         )
     try:
         with httpx.Client(base_url=url, timeout=10) as c:
-            deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while True:
-                assert proc.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, "service not ready: " + log.read_text()[-3000:]
-                try:
-                    if c.get("/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
+            wait_ready(
+                "/ready",
+                proc,
+                time.monotonic() + STARTUP_TIMEOUT_S,
+                client=c,
+                exited=lambda rc: log.read_text()[-3000:],
+                not_ready=lambda: "service not ready: " + log.read_text()[-3000:],
+            )
 
             def status(key: str | None) -> int:
                 headers = {"Authorization": f"Bearer {key}"} if key else {}

@@ -264,12 +264,14 @@ def test_topology_implies_the_nccl_setting(topo, env, verdict, says):
     assert check.verdict == verdict and says in check.detail, check
 
 
-def _example_plan(**env: str):
-    from service.preflight_checks import parse_gpu_query, plan_for
+EXAMPLE_CONFIG = ROOT / "deploy" / "qwen4-exp-config.example.json"
 
-    return plan_for(
-        ROOT / "deploy" / "qwen4-exp-config.example.json", parse_gpu_query(SMI_QUERY_3090), 4, env, 128.0
-    )
+
+def _example_plan(**env: str):
+    from service.preflight_checks import deployment_for, parse_gpu_query, plan_for
+
+    gpus = parse_gpu_query(SMI_QUERY_3090)
+    return plan_for(EXAMPLE_CONFIG, gpus, 4, env, 128.0, deployment_for(None, env, gpus[0]))
 
 
 def test_memory_plan_memlock_cgroup_and_shm_verdicts():
@@ -296,6 +298,56 @@ def test_memory_plan_memlock_cgroup_and_shm_verdicts():
     assert check_pinned_memory(plan, 8 << 20, None, 8 * gib, False)[0].verdict == "skip"
 
 
+def test_the_plan_reads_each_variable_with_the_services_parser():
+    """Every spelling the service accepts means the same to the plan: ``off`` is off."""
+    default = _example_plan()
+    assert default.options.prefix_caching and not default.options.ple_on_device
+    assert _example_plan(QWEN4EXP_PREFIX_CACHING="off").options.prefix_caching is False
+    assert _example_plan(QWEN4EXP_PREFIX_CACHING="0").options.prefix_caching is False
+    assert _example_plan(VLLM_PLE_CPU_OFFLOAD="off").options.ple_on_device is True
+    assert _example_plan(VLLM_PLE_CPU_OFFLOAD="No").options.ple_on_device is True
+    assert _example_plan(QWEN4EXP_KV_CACHE_DTYPE=" FP8 ").options.kv_cache_dtype == "fp8"
+
+
+def _example_checks(tmp_path: Path, env: dict[str, str]):
+    from service.cuda_preflight import checkpoint_checks
+    from service.preflight_checks import KNOWN_GPUS
+
+    checkpoint = tmp_path / "example"
+    checkpoint.mkdir(exist_ok=True)
+    shutil.copy(EXAMPLE_CONFIG, checkpoint / "config.json")
+    gpus = [KNOWN_GPUS["rtx3090"]] * 4
+    return {c.name: c for c in checkpoint_checks(checkpoint, gpus, 4, env, host_gib=128.0)}
+
+
+def test_ple_on_device_pins_nothing(tmp_path):
+    pinned = _example_checks(tmp_path, {})
+    assert pinned["memlock"].verdict != "skip", pinned["memlock"]
+    on_device = _example_checks(tmp_path, {"VLLM_PLE_CPU_OFFLOAD": "off"})
+    assert on_device["memlock"].verdict == "skip" and "nothing pinned" in on_device["memlock"].detail
+
+
+@pytest.mark.parametrize(
+    "env, failing, named",
+    [
+        ({"VLLM_PLE_CPU_OFFLOAD": "of"}, "implementation", "VLLM_PLE_CPU_OFFLOAD='of'"),
+        ({"VLLM_QSA_KV_SCALES_STRICT": "maybe"}, "implementation", "VLLM_QSA_KV_SCALES_STRICT='maybe'"),
+        ({"QWEN4EXP_KV_CACHE_DTYPE": "fp16"}, "implementation", "QWEN4EXP_KV_CACHE_DTYPE='fp16'"),
+        ({"QWEN4EXP_PREFIX_CACHING": "offf"}, "memory plan", "QWEN4EXP_PREFIX_CACHING='offf'"),
+        ({"QWEN4EXP_MAX_MODEL_LEN": "32k"}, "memory plan", "QWEN4EXP_MAX_MODEL_LEN='32k'"),
+        ({"QWEN4EXP_GPU_MEMORY_UTILIZATION": "1.5"}, "memory plan", "QWEN4EXP_GPU_MEMORY_UTILIZATION='1.5'"),
+        ({"QWEN4EXP_MAX_NUM_SEQS": "0"}, "memory plan", "QWEN4EXP_MAX_NUM_SEQS='0'"),
+    ],
+)
+def test_a_malformed_variable_fails_a_check_naming_it(tmp_path, env, failing, named):
+    """Not a silent default: the check that needs the value fails with the variable and its fix,
+    and no check passes on a value the service would refuse."""
+    checks = _example_checks(tmp_path, env)
+    assert checks[failing].verdict == "fail", checks
+    assert named in checks[failing].detail and "fix:" in checks[failing].detail, checks[failing]
+    assert checks["memory plan"].verdict != "ok", checks
+
+
 def test_implementation_is_a_choice_for_the_gpus():
     from service.preflight_checks import KNOWN_GPUS, check_implementation
 
@@ -310,6 +362,8 @@ def test_implementation_is_a_choice_for_the_gpus():
     assert forced.verdict == "fail" and "upstream cannot serve" in forced.detail, forced
     assert check_implementation(config, {}, KNOWN_GPUS["h200"]).detail.startswith("upstream")
     assert check_implementation(config, {}, None).verdict == "skip"
+    # Without a GPU to decide for, a malformed variable still fails: the service would not start.
+    assert check_implementation(config, {"VLLM_PLE_CPU_OFFLOAD": "of"}, None).verdict == "fail"
 
 
 def test_preflight_on_this_machine_prints_every_check_with_its_verdict_and_time(tmp_path):
@@ -353,12 +407,11 @@ def test_preflight_on_this_machine_prints_every_check_with_its_verdict_and_time(
     assert rows["KV scales"] == "warn", assumed.stdout  # FP8 without a sidecar: uncalibrated
 
 
-def test_preflight_runs_the_services_settings_check(tmp_path):
+def test_preflight_runs_the_services_settings_check(api_keys_file):
     """A keys file without a key (or any bad variable) fails the preflight, with the service's message."""
     from tests.conftest import ensure_checkpoint
 
-    keys = tmp_path / "api-keys"
-    keys.write_text("# the secret mount came up empty\n")
+    keys = api_keys_file("# the secret mount came up empty\n")
     tiny = ensure_checkpoint("tiny")
     proc = _cli("--gpus", "1", env={"QWEN4EXP_MODEL": str(tiny), "QWEN4EXP_API_KEYS_FILE": str(keys)})
     assert proc.returncode == PREFLIGHT_EXIT_CODE, proc.stdout + proc.stderr

@@ -81,7 +81,7 @@ def test_non_root_user_entrypoint_healthcheck_and_arch():
     assert health and "/ready" in health[-1]
     env = " ".join(args for word, args in ins if word == "ENV")
     assert "TORCH_CUDA_ARCH_LIST=8.6" in env
-    # The service picks vLLM's model runner for the chosen implementation (service.engine.default_model_runner).
+    # The service picks vLLM's model runner for the chosen implementation (model.deployment.resolve: Deployment.child_environment).
     assert "VLLM_USE_V2_MODEL_RUNNER" not in env
     assert "VLLM_USE_FLASHINFER_SAMPLER=0" in env  # no nvcc in the runtime image for FlashInfer's JIT
 

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, ensure_checkpoint
+from tests.net import free_port, wait_ready
 
 from .tools import DASHBOARDS, PROMETHEUS_CONFIG, RULES, run, tool
 
@@ -128,12 +128,6 @@ def test_grafana_provisioning_points_at_the_dashboards():
 # ------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
     """SIGTERM the process group this test started (service: drains; engine children follow)."""
     if proc.poll() is None:
@@ -146,17 +140,14 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
 
 
 def wait_for(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"{proc.args[0]} exited with {proc.returncode}:\n{log.read_text()[-5000:]}")
-        try:
-            if httpx.get(url, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"{url} not ready after {timeout:.0f} s:\n{log.read_text()[-5000:]}")
+    wait_ready(
+        url,
+        proc,
+        time.monotonic() + timeout,
+        error=pytest.fail.Exception,
+        exited=lambda rc: f"{proc.args[0]} exited with {rc}:\n{log.read_text()[-5000:]}",
+        not_ready=lambda: f"{url} not ready after {timeout:.0f} s:\n{log.read_text()[-5000:]}",
+    )
 
 
 @pytest.fixture(scope="module")

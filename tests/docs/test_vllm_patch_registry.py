@@ -82,10 +82,53 @@ def vllm_patches() -> list[str]:
 def test_the_finder_sees_the_known_patches():
     found = vllm_patches()
     assert "model/runtime/vllm_fixes.py::install" in found
-    assert "model/upstream/kernels.py::disable_cute_dsl_hc" in found
+    assert "model/upstream/optional_kernels.py::disable_cute_dsl_hc" in found
 
 
 def test_every_vllm_patch_is_in_the_registry():
     registry = REGISTRY.read_text()
     missing = [name for name in vllm_patches() if f"`{name}`" not in registry]
     assert not missing, f"vLLM patches missing from {REGISTRY.relative_to(ROOT)}: {missing}"
+
+
+# Where patches may be installed: the plugin's registration (every vLLM process) and the upstream
+# subclasses' first construction; besides, a patch installing its companion (gdn), the capture
+# guard's first reader, the indexer projection kept separate for one constructor, and the benches'
+# baseline of vLLM's own model with the plugin off.
+INSTALLERS = {
+    ("model/plugin.py", "register"),
+    ("model/upstream/patches.py", "apply"),
+    ("model/upstream/gdn.py", "install"),
+    ("model/qsa_kv/snapshot.py", "__init__"),
+    ("model/upstream/qsa.py", "__init__"),
+    ("model/upstream/optional_kernels.py", "prepare_upstream_without_plugin"),
+}
+
+
+def _called_names(nodes) -> set[str]:
+    names = set()
+    for node in nodes:
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Call):
+                f = sub.func
+                names.add(f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", ""))
+    return names
+
+
+def test_patches_are_installed_at_explicit_moments_never_on_import():
+    patch_functions = {name.split("::")[1] for name in vllm_patches()}
+    on_import, elsewhere = [], []
+    for path in sorted((ROOT / "model").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        tree = ast.parse(path.read_text(), rel)
+        top = [
+            n for n in tree.body if not isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        ]
+        if hits := _called_names(top) & patch_functions:
+            on_import.append((rel, sorted(hits)))
+        for func in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            calls = _called_names(func.body) & ({"install", "_install_core"} | patch_functions)
+            if calls and (rel, func.name) not in INSTALLERS:
+                elsewhere.append((rel, func.name, sorted(calls)))
+    assert on_import == [], f"patches installed when a module is imported: {on_import}"
+    assert elsewhere == [], f"patches installed outside {sorted(INSTALLERS)}: {elsewhere}"

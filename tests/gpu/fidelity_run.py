@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from tests.fidelity import measure
+from tests.gpu.engine import cuda_engine_args
 
 SUBLAYERS = ("ple", "linear_attn", "self_attn", "mlp")
 ENGINE_TIMEOUT_S = int(os.environ.get("FIDELITY_ENGINE_TIMEOUT_S", "900"))
@@ -64,26 +65,21 @@ def engine_args(mode: str, max_len: int) -> dict:
     """``mode``: ``eager`` or ``graphs``, optionally ``+ssm32`` (GDN recurrent state kept in float32
     between steps, vLLM's ``mamba_ssm_cache_dtype``) and ``+fp8`` (the FP8 E4M3 QSA cache, scales
     1.0)."""
-    graphs = mode.split("+")[0] == "graphs"
-    args = dict(
-        dtype="bfloat16",
-        enforce_eager=not graphs,
-        enable_prefix_caching=False,
-        max_model_len=max_len + 16,
-        kv_cache_memory_bytes=4 << 30,
+    extra: dict = {}
+    if "ssm32" in mode_flags(mode):
+        extra["mamba_ssm_cache_dtype"] = "float32"
+    if "fp8" in mode_flags(mode):
+        extra["kv_cache_dtype"] = "fp8"
+    return cuda_engine_args(
+        graphs=mode.split("+")[0] == "graphs",
+        graph_sizes=(1, 2, 4, 8),
         # several engines share one GPU: each checks only that this fraction is free when it starts
         gpu_memory_utilization=float(os.environ.get("FIDELITY_GPU_UTILIZATION", "0.12")),
+        max_model_len=max_len + 16,
+        kv_cache_memory_bytes=4 << 30,
         max_num_seqs=8,
-        seed=0,
-        additional_config={"gdn_prefill_backend": "triton"},
+        **extra,
     )
-    if graphs:
-        args["compilation_config"] = {"cudagraph_capture_sizes": [1, 2, 4, 8]}
-    if "ssm32" in mode_flags(mode):
-        args["mamba_ssm_cache_dtype"] = "float32"
-    if "fp8" in mode_flags(mode):
-        args["kv_cache_dtype"] = "fp8"
-    return args
 
 
 def _engine_child(path: str, impl: str, mode: str, prompts, out: str) -> None:

@@ -12,8 +12,8 @@ _HANDLES: list = []
 
 def describe(model) -> dict:
     """Facts about the running model: device, QSA cache shapes, kernel use, PLE storage."""
-    from model.adapter.qsa_attention import QSACache
-    from model.ple.vllm_layer import NgramTable
+    from model.ours.ple_layer import NgramTable
+    from model.ours.qsa_attention import QSACache
 
     out: dict = {"device": str(next(model.parameters()).device), "qsa": [], "ple": []}
     for name, mod in model.named_modules():
@@ -35,7 +35,7 @@ def describe(model) -> dict:
 
 def set_qsa_kernel(model, enabled: bool) -> int:
     """Route every QSA layer's attention through the Triton kernel (True) or the torch reference."""
-    from model.adapter.qsa_attention import QSACache
+    from model.ours.qsa_attention import QSACache
 
     n = 0
     for mod in model.modules():
@@ -50,7 +50,7 @@ def set_qsa_kernel(model, enabled: bool) -> int:
 def install_capture(model, num_tokens: int) -> int:
     """Record, for any forward over exactly ``num_tokens`` tokens, every decoder layer's output
     streams and each sub-module's input and output (PLE, mixer, MoE), plus the QSA selections."""
-    import model.adapter.qsa_attention as qa
+    import model.ours.qsa_attention as qa
 
     remove_capture(model)
     _CAPTURE.clear()
@@ -90,7 +90,7 @@ def install_capture(model, num_tokens: int) -> int:
 
 
 def remove_capture(model) -> None:
-    import model.adapter.qsa_attention as qa
+    import model.ours.qsa_attention as qa
 
     while _HANDLES:
         h = _HANDLES.pop()

@@ -55,8 +55,8 @@ try:
 
     llm = None
     for blocks in pools:
-        args = dict(dtype="bfloat16", max_model_len=max_len, seed=0, enable_prefix_caching=True,
-                    num_gpu_blocks_override=blocks, max_num_seqs=min(blocks, 16), disable_log_stats=False, **json.loads(engine_json))
+        args = dict(max_model_len=max_len, enable_prefix_caching=True, num_gpu_blocks_override=blocks,
+                    max_num_seqs=min(blocks, 16), disable_log_stats=False, **json.loads(engine_json))
         try:
             llm = LLM(model=path, **cuda_engine_args(graphs=True, **args))
         except Exception as exc:

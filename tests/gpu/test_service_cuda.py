@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, ensure_checkpoint
+from tests.net import free_port, wait_ready
 from tests.qsa_kv.helpers import run_merge
 
 pytestmark = pytest.mark.vllm_cuda
@@ -41,12 +41,6 @@ PROMPTS = {
     "story": "Once upon a time",
     "long": " ".join(["The quick brown fox jumps over the lazy dog."] * 30),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Service:
@@ -99,20 +93,15 @@ class Service:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"service exited {self.proc.returncode}:\n{self.log()[-6000:]}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise AssertionError(f"service not ready in {startup_timeout_s} s:\n{self.log()[-6000:]}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=5).status_code == 200:
-                    self.ready_after_s = time.monotonic() - self.started
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_ready(
+            self.url + "/ready",
+            self.proc,
+            time.monotonic() + startup_timeout_s,
+            on_timeout=self.stop,
+            exited=lambda rc: f"service exited {rc}:\n{self.log()[-6000:]}",
+            not_ready=lambda: f"service not ready in {startup_timeout_s} s:\n{self.log()[-6000:]}",
+        )
+        self.ready_after_s = time.monotonic() - self.started
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

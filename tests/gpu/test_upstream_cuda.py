@@ -46,15 +46,13 @@ result = {"notes": []}
 try:
     # Nothing from upstream is imported before LLM(): vLLM enables breakable CUDA graphs while it
     # builds the config, and upstream modules imported earlier keep no graph breaks (the subclass
-    # refuses that; model/upstream/kernels.py). The subclass module also switches the
+    # refuses that; model/upstream/optional_kernels.py). The subclass module also switches the
     # CuTe-DSL HC kernel off where its packages are missing.
     if early_import:
         import vllm.models.qwen4_exp.nvidia.model  # noqa: F401
     from vllm import LLM, SamplingParams
 
-    args = dict(dtype="bfloat16", max_model_len=4096, seed=0, enable_prefix_caching=False)
-    args.update(engine_overrides)
-    llm = LLM(model=path, **cuda_engine_args(graphs=graphs, **args))
+    llm = LLM(model=path, **cuda_engine_args(graphs=graphs, **{"max_model_len": 4096, **engine_overrides}))
     result["model_class"] = llm.apply_model(lambda m: f"{type(m).__module__}.{type(m).__qualname__}")[0]
     prompts = json.load(open(prompts_file))
     params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=5)

@@ -588,7 +588,7 @@ def product_launches(ops: dict[str, types.ModuleType]) -> Iterator[tuple[str, La
     """Every QSA Triton kernel the served path launches on a 3090 for the real model, with the tiles
     the product picks there (the indexer prefill tile from ``model.upstream.indexer_tiles``). The FP8 main
     cache is read by our kernel; upstream's FP8 kernels are not launched below sm_89."""
-    from model.upstream.indexer_tiles import prefill_tile
+    from model.deployment.indexer_tile_fit import prefill_tile
 
     rows, stages, warps = prefill_tile(
         INDEX_HEADS, INDEX_DIM, fp8=False, shared_limit=SM86_LIMIT, capability=SM86

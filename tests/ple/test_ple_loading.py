@@ -11,7 +11,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import pythonpath_with
+from tests.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TABLE0 = "model.layers.0.ple.ple_embedding"
@@ -51,12 +51,6 @@ def _edit_config(path: Path, **changes) -> Path:
             config[key] = value
     (path / "config.json").write_text(json.dumps(config))
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Each broken case: (name, builder(checkpoints, tmp) -> path, env, fragments the error must contain).
@@ -226,7 +220,7 @@ def harness(ple_checkpoints, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     env["PYTHONPATH"] = pythonpath_with(REPO)
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.ple._load_harness", str(spec), f"tcp://127.0.0.1:{_free_port()}"],
+        [sys.executable, "-m", "tests.ple._load_harness", str(spec), f"tcp://127.0.0.1:{free_port()}"],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -158,7 +158,7 @@ def _config(path: Path):
 
 def _table(path: Path, fmt: str, rank: int, world: int, mode: str, layer: int = 1, **kw):
     """An NgramTable for ``rank`` of ``world`` loaded from checkpoint ``path`` via ``load_tensor``."""
-    from model.ple.vllm_layer import NgramTable
+    from model.ours.ple_layer import NgramTable
 
     owner = OWNER.format(layer)
     table = NgramTable(
@@ -241,7 +241,7 @@ def test_table_reserves_prefetch_buffer_at_construction(ple_checkpoints):
 
 
 def test_lookup_before_global_scale_fails(ple_checkpoints):
-    from model.ple.vllm_layer import NgramTable
+    from model.ours.ple_layer import NgramTable
 
     t = NgramTable(
         _config(ple_checkpoints["fp8_e4m3"]), 0, "l0", mode="pinned", device="cpu", tp_rank=0, tp_size=1
@@ -252,8 +252,8 @@ def test_lookup_before_global_scale_fails(ple_checkpoints):
 
 def test_pinned_mode_error_names_the_switch(monkeypatch, ple_checkpoints):
     """On a GPU without unified addressing, start-up fails and says how to keep tables on the GPU."""
+    from model.ours.ple_layer import NgramTable
     from model.ple import uva as ple_uva
-    from model.ple.vllm_layer import NgramTable
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(ple_uva, "_UVA_OK", {})
@@ -296,7 +296,7 @@ class _FakePLE:
 
 
 def test_prefetcher_starts_each_lookup_one_layer_early():
-    from model.ple.vllm_layer import PLEPrefetcher
+    from model.ours.ple_layer import PLEPrefetcher
 
     log: list[str] = []
     ples = [_FakePLE(0, log), None, _FakePLE(2, log), _FakePLE(3, log, prefetch=False), _FakePLE(4, log)]

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from model.adapter.model import Qwen4ExpForCausalLM
-from model.ple.vllm_layer import copy_whole_state, ple_state_dtypes, ple_state_shapes
+from model.ours.model import Qwen4ExpForCausalLM
+from model.ours.ple_layer import copy_whole_state, ple_state_dtypes, ple_state_shapes
 
 
 def test_every_ple_state_has_a_copy_function():

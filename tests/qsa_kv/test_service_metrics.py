@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,11 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import ROOT, ensure_checkpoint
+from tests.net import free_port, wait_ready
 
 LAYER = "model.layers.3.self_attn"
 K_SCALE, V_SCALE = 1e-4, 5e-5
 STARTUP_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def qsa_metrics(url: str) -> dict[tuple[str, str], float]:
@@ -104,18 +98,13 @@ def test_small_scales_make_clip_counters_rise_on_metrics(tmp_path):
             [sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, log_path.read_text(errors="replace")[-5000:]
-            assert time.monotonic() < deadline, (
-                "service not ready:\n" + log_path.read_text(errors="replace")[-5000:]
-            )
-            try:
-                if httpx.get(url + "/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_ready(
+            url + "/ready",
+            proc,
+            time.monotonic() + STARTUP_TIMEOUT_S,
+            exited=lambda rc: log_path.read_text(errors="replace")[-5000:],
+            not_ready=lambda: "service not ready:\n" + log_path.read_text(errors="replace")[-5000:],
+        )
 
         def wait_for(pred, what: str, timeout: float = 20.0) -> dict:
             end = time.monotonic() + timeout

@@ -35,7 +35,7 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # model built in this process
     checkpoint = sys.argv[1]
     result: dict = {}
-    from model.adapter import model as adapter
+    from model.ours import model as adapter
     from model.runtime.quant_checks import linear_kernel_name
 
     original = adapter.Qwen4ExpForCausalLM.load_weights

@@ -20,8 +20,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import net
 from tests.conftest import ROOT, ensure_checkpoint
-from tests.service.conftest import KEY, Server, free_port, service_env
+from tests.service.conftest import KEY, Server, service_env
 
 ROUTER_BIN = Path(sys.executable).parent / "vllm-router"
 ROUTER_VERSION = "0.1.17"  # pinned in pyproject's test extra and in the chart's router.version
@@ -78,17 +79,17 @@ class Replica:
 
     def wait_ready(self, deadline: float) -> None:
         assert self.server is not None
+        server = self.server
         with httpx.Client(timeout=5) as client:
-            while time.monotonic() < deadline:
-                if self.server.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited while starting:\n{self.server.log()[-4000:]}")
-                try:
-                    if client.get(self.url + "/ready").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
-        raise RuntimeError(f"{self.name} not ready in time:\n{self.server.log()[-4000:]}")
+            net.wait_ready(
+                self.url + "/ready",
+                server.proc,
+                deadline,
+                client=client,
+                error=RuntimeError,
+                exited=lambda rc: f"{self.name} exited while starting:\n{server.log()[-4000:]}",
+                not_ready=lambda: f"{self.name} not ready in time:\n{server.log()[-4000:]}",
+            )
 
     def metrics(self) -> dict[str, list]:
         assert self.server is not None
@@ -135,7 +136,7 @@ class Replica:
 
 
 def start_replicas(workdir: Path, count: int = 2) -> list[Replica]:
-    replicas = [Replica(f"replica{i}", free_port(), workdir) for i in range(count)]
+    replicas = [Replica(f"replica{i}", net.free_port(), workdir) for i in range(count)]
     for replica in replicas:
         replica.launch()
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -214,7 +215,7 @@ FAILOVER_ARGS = [
 
 
 def start_router(workdir: Path, workers: list[str], policy: str, *extra: str) -> Router:
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = net.free_port(), net.free_port()
     log_path = workdir / f"router-{policy}-{port}.log"
     args = [
         str(ROUTER_BIN),
@@ -232,16 +233,16 @@ def start_router(workdir: Path, workers: list[str], policy: str, *extra: str) ->
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, cwd=workdir, stdout=log, stderr=subprocess.STDOUT)
     router = Router(proc, port, metrics_port, log_path, policy, args)
-    deadline = time.monotonic() + 90
     with httpx.Client(timeout=5) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited with {proc.returncode}:\n{router.log()[-4000:]}")
-            try:
-                if client.get(router.url + "/readiness").status_code == 200:
-                    return router
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-    router.stop()
-    raise RuntimeError(f"vllm-router not ready in 90 s:\n{router.log()[-4000:]}")
+        net.wait_ready(
+            router.url + "/readiness",
+            proc,
+            time.monotonic() + 90,
+            client=client,
+            interval=0.2,
+            error=RuntimeError,
+            on_timeout=router.stop,
+            exited=lambda rc: f"vllm-router exited with {rc}:\n{router.log()[-4000:]}",
+            not_ready=lambda: f"vllm-router not ready in 90 s:\n{router.log()[-4000:]}",
+        )
+    return router

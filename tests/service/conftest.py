@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,17 +22,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT, ensure_checkpoint
+from tests.conftest import ROOT, ensure_checkpoint, write_api_keys
+from tests.net import free_port, wait_ready
 
 KEY = "test-key-env"
 FILE_KEY = "test-key-file"
 STARTUP_TIMEOUT_S = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def service_env(**overrides: str) -> dict[str, str]:
@@ -122,24 +116,26 @@ class Server:
         return self.proc.returncode
 
 
-def _observe(client: httpx.Client, url: str, path: str, seen: dict) -> int | None:
-    try:
-        r = client.get(url + path, headers={"Authorization": f"Bearer {KEY}"})
-    except httpx.HTTPError:
-        return None
+def _record(seen: dict, path: str, r: httpx.Response) -> None:
     try:
         body = r.json()
     except ValueError:
         body = {"raw": r.text}
     seen.setdefault(path, []).append((r.status_code, body | {"retry-after": r.headers.get("retry-after")}))
-    return r.status_code
+
+
+def _observe(client: httpx.Client, url: str, path: str, seen: dict) -> None:
+    try:
+        r = client.get(url + path)
+    except httpx.HTTPError:
+        return
+    _record(seen, path, r)
 
 
 def start_server(tmp: Path, name: str, **env: str) -> Server:
     """Start the service and wait until ``/ready`` is 200, recording the start-up answers."""
     port = free_port()
-    keys_file = tmp / f"{name}-keys"
-    keys_file.write_text(f"# mounted secret\n{FILE_KEY}\n")
+    keys_file = write_api_keys(tmp, f"# mounted secret\n{FILE_KEY}\n", name=f"{name}-keys")
     log_path = tmp / f"{name}.log"
     full_env = service_env(
         QWEN4EXP_MODEL=str(ensure_checkpoint("tiny")),
@@ -154,22 +150,26 @@ def start_server(tmp: Path, name: str, **env: str) -> Server:
             [sys.executable, "-m", "service"], cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT
         )
     server = Server(proc, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    with httpx.Client(timeout=5) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"service exited with {proc.returncode} while starting:\n{server.log()[-5000:]}"
-                )
-            ready = _observe(client, server.url, "/ready", server.startup)
-            if ready == 200:
-                return server
-            if ready is not None:  # while loading: what do other routes answer?
+    with httpx.Client(timeout=5, headers=server.auth) as client:
+
+        def record(ready: httpx.Response) -> None:
+            _record(server.startup, "/ready", ready)
+            if ready.status_code != 200:  # while loading: what do other routes answer?
                 _observe(client, server.url, "/health", server.startup)
                 _observe(client, server.url, "/v1/models", server.startup)
-            time.sleep(0.5)
-    server.stop()
-    raise RuntimeError(f"service not ready after {STARTUP_TIMEOUT_S} s:\n{server.log()[-5000:]}")
+
+        wait_ready(
+            server.url + "/ready",
+            proc,
+            time.monotonic() + STARTUP_TIMEOUT_S,
+            client=client,
+            on_answer=record,
+            error=RuntimeError,
+            on_timeout=server.stop,
+            exited=lambda rc: f"service exited with {rc} while starting:\n{server.log()[-5000:]}",
+            not_ready=lambda: f"service not ready after {STARTUP_TIMEOUT_S} s:\n{server.log()[-5000:]}",
+        )
+    return server
 
 
 @pytest.fixture(scope="session")
@@ -212,7 +212,7 @@ def sse_events(lines) -> list:
 
 def _server_rank(item) -> int:
     names = getattr(item, "fixturenames", ())
-    if "limited_server" in names or "fault_server" in names:
+    if {"limited_server", "fault_server", "agent_server", "caps_server"} & set(names):
         return 1
     if "server" in names:
         return 2

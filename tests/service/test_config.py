@@ -13,8 +13,9 @@ import pytest
 from model.runtime import envs
 from service import settings as settings_mod
 from tests.conftest import ROOT
+from tests.net import free_port
 
-from .conftest import free_port, service_env
+from .conftest import service_env
 
 
 def run_service(env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:

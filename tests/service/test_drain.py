@@ -16,8 +16,9 @@ import httpx
 import pytest
 
 from tests.conftest import ROOT, ensure_checkpoint
+from tests.net import free_port, wait_ready
 
-from .conftest import Server, error_of, free_port, service_env, sse_events, start_server
+from .conftest import Server, error_of, service_env, sse_events, start_server
 
 CHAT = "/v1/chat/completions"
 
@@ -157,19 +158,17 @@ def test_sigterm_while_loading_exits_0_promptly(tmp_path: Path) -> None:
     with open(tmp_path / "log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=log, stderr=log)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-                if r.status_code == 503:
-                    assert r.json()["error"]["code"] == "service_starting"
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, (tmp_path / "log").read_text()
-            time.sleep(0.3)
-        else:
-            raise AssertionError("never saw the start-up 503")
+        r = wait_ready(
+            f"http://127.0.0.1:{port}/v1/models",
+            proc,
+            time.monotonic() + 120,
+            until=lambda answer: answer.status_code == 503,
+            timeout=2,
+            interval=0.3,
+            exited=lambda rc: (tmp_path / "log").read_text(),
+            not_ready=lambda: "never saw the start-up 503",
+        )
+        assert r.json()["error"]["code"] == "service_starting"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, (tmp_path / "log").read_text()[-3000:]
     finally:

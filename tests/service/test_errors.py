@@ -45,6 +45,12 @@ BAD_REQUESTS = {
     "missing messages": (CHAT, {"model": "tiny"}, None),
     "completion without prompt": ("/v1/completions", {"model": "tiny"}, None),
     "n zero": ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 0}, None),
+    "json nested too deeply": (
+        CHAT,
+        b'{"model": "tiny", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        None,
+    ),
+    "json nested too deeply, messages api": ("/v1/messages", b"[" * 5000 + b"]" * 5000, None),
 }
 
 

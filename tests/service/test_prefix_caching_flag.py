@@ -39,33 +39,3 @@ def test_default_engine_config_is_align_mode(monkeypatch) -> None:
     cache = config.cache_config
     assert cache.enable_prefix_caching and cache.mamba_cache_mode == "align"
     assert config.scheduler_config.enable_chunked_prefill
-
-
-@pytest.mark.parametrize(
-    ("choice", "offload", "cpu_build", "device", "flag"),
-    [
-        # auto = upstream on CUDA, tables in GPU memory
-        ("auto", "0", False, "cuda", ["--engram-config", '{"cpu_offload": false}']),
-        ("upstream", "0", False, "cuda", ["--engram-config", '{"cpu_offload": false}']),
-        ("auto", None, False, "cuda", []),  # pinned: vLLM's default already
-        ("ours", "0", False, "cuda", []),  # ours reads VLLM_PLE_CPU_OFFLOAD itself
-        ("auto", "0", True, "cpu", []),
-    ],
-)
-def test_ple_storage_reaches_upstreams_engram_config(monkeypatch, choice, offload, cpu_build, device, flag):
-    from model.runtime import cuda_model_choice
-
-    monkeypatch.setattr(cuda_model_choice, "vllm_is_cpu_build", lambda: cpu_build)
-    monkeypatch.setenv("QWEN4EXP_CUDA_MODEL", choice)
-    if offload is None:
-        monkeypatch.delenv("VLLM_PLE_CPU_OFFLOAD", raising=False)
-    else:
-        monkeypatch.setenv("VLLM_PLE_CPU_OFFLOAD", offload)
-    argv = engine.cli_args(settings(monkeypatch, None), device)
-    if flag:
-        at = argv.index("--engram-config")
-        assert argv[at : at + 2] == flag
-    else:
-        assert "--engram-config" not in argv
-    if flag:  # vLLM's own parser takes it
-        assert engine.parse_args(argv).engram_config.cpu_offload is False

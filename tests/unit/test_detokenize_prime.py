@@ -165,11 +165,11 @@ def test_install_refuses_another_vllm(monkeypatch):
 
 
 def test_the_plugin_installs_it_in_every_vllm_process(monkeypatch):
-    """vLLM runs ``model.runtime.plugin.register`` in the API server too (``EngineArgs``), where the output
+    """vLLM runs ``model.plugin.register`` in the API server too (``EngineArgs``), where the output
     processor detokenizes: the plugin is what installs the priming."""
     from vllm.v1.engine.detokenizer import FastIncrementalDetokenizer
 
-    from model.runtime import plugin
+    from model import plugin
 
     detokenize_prime.install()
     unprimed = FastIncrementalDetokenizer.qwen4exp_unprimed_init

@@ -1,7 +1,7 @@
 """Our Gated DeltaNet layer on one-token prefills, through whichever CPU conv path this host takes.
 
 vLLM's CPU build picks its C++ causal-conv kernel on CPUs with AVX512-BF16 and a torch conv
-elsewhere; a one-token prefill used to crash the C++ kernel (see ``model/adapter/gdn.py``).
+elsewhere; a one-token prefill used to crash the C++ kernel (see ``model/ours/gdn.py``).
 These tests run the real layer (``_gdn_harness``) and check, on every host:
 - the conv path that actually ran is the one this host's CPU flags select (named in the failure);
 - the tensor handed to the conv has the row stride the C++ kernel requires, for 1 and 5 tokens,
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, pythonpath_with
+from tests.net import free_port
 
 HOST_PATH = "cpp" if torch.cpu._is_avx512_bf16_supported() else "torch"
 HOST_FLAGS = "avx512_bf16" if HOST_PATH == "cpp" else "no avx512_bf16"
@@ -29,9 +29,7 @@ HOST_FLAGS = "avx512_bf16" if HOST_PATH == "cpp" else "no avx512_bf16"
 
 @pytest.fixture(scope="module")
 def runs(tiny_checkpoint) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.run(
         [sys.executable, "-m", "tests.unit._gdn_harness", str(tiny_checkpoint), f"tcp://127.0.0.1:{port}"],
         cwd=ROOT,

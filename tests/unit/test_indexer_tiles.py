@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from model.upstream import indexer_tiles as tiles
+from model.deployment import indexer_tile_fit as tiles
 
 RTX_3090, H200 = 101376, 232448
 # Shared bytes Triton reported for upstream's bf16 prefill kernel (128-dim heads, 2 stages, 64 key

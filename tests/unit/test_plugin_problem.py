@@ -27,10 +27,10 @@ def test_vllm_plugins_leaving_ours_out_is_refused(monkeypatch, value):
 
 def test_a_stale_entry_point_is_refused_with_the_fix(monkeypatch):
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    stale = EntryPoint(name="qwen4exp", value="model.plugin:register", group=engine.PLUGIN_GROUP)
+    stale = EntryPoint(name="qwen4exp", value="model.runtime.plugin:register", group=engine.PLUGIN_GROUP)
     monkeypatch.setattr("importlib.metadata.entry_points", lambda group: [stale])
     problem = engine.plugin_problem()
-    assert "'qwen4exp = model.plugin:register' cannot be loaded" in problem
+    assert "'qwen4exp = model.runtime.plugin:register' cannot be loaded" in problem
     assert "ModuleNotFoundError" in problem and "reinstall this project" in problem
 
 

@@ -41,7 +41,7 @@ def test_real_compute_preset_is_served_by_upstream_on_both_cards():
     import torch
     from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
-    from model.runtime.cuda_model_choice import problems_for_upstream
+    from model.deployment.implementation import problems_for_upstream
 
     spec = PRESETS["real-compute"]
     written = {**spec, "eos_token_id": 2}  # make_checkpoint writes the tokenizer's EOS id

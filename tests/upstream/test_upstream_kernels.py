@@ -1,4 +1,4 @@
-"""``model.upstream.kernels``: upstream's CuTe-DSL HC kernel is kept off, not crashed
+"""``model.upstream.optional_kernels``: upstream's CuTe-DSL HC kernel is kept off, not crashed
 into, where its packages are missing, and off under ``QWEN4EXP_FORCE_SM86`` as on a 3090
 (upstream's modules imported on the CPU build)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from model.upstream import kernels as K
+from model.upstream import optional_kernels as K
 from tests.upstream.importer import import_upstream
 
 HC = import_upstream("vllm.models.qwen4_exp.nvidia.hyperconnection")
@@ -61,13 +61,35 @@ def test_forcing_the_3090s_choices_turns_the_kernel_off_with_the_packages_there(
     assert layer._use_hc_down_silu is False
 
 
-def test_the_service_passes_the_switch():
-    """The subclass's install turns the kernel off under the switch, not only without the packages."""
-    import inspect
+@pytest.mark.parametrize("force_sm86", [False, True])
+@pytest.mark.parametrize(("short_prefill", "reference_rounding"), [(True, True), (False, False)])
+def test_the_deployment_decides_which_patches_apply(
+    monkeypatch, force_sm86, short_prefill, reference_rounding
+):
+    """The upstream subclasses install our patches from the deployment vLLM was given: the CuTe-DSL
+    kernel off under the 3090 switch (not only without its packages), the optional ones per flag."""
+    from dataclasses import replace
 
-    from model.upstream import model as upstream_model
+    from model.deployment.resolve import resolve
+    from model.upstream import patches
 
-    assert "disable_cute_dsl_hc(force_sm86=sm86.forced())" in inspect.getsource(upstream_model)
+    calls = []
+    for module in (patches.qsa, patches.ple, patches.indexer_tiles, patches.gdn, patches.hc_mix):
+        monkeypatch.setattr(
+            module, "install", lambda name=module.__name__: calls.append(name.rsplit(".", 1)[1])
+        )
+    monkeypatch.setattr(
+        patches.optional_kernels, "disable_cute_dsl_hc", lambda force_sm86: calls.append(("hc", force_sm86))
+    )
+    deployment = replace(
+        resolve({}, cpu_build=False),
+        force_sm86=force_sm86,
+        gdn_short_prefill=short_prefill,
+        hc_reference_rounding=reference_rounding,
+    )
+    patches.apply(deployment)
+    optional = ["gdn", "hc_mix"] if short_prefill else []
+    assert calls == ["qsa", "ple", ("hc", force_sm86), "indexer_tiles", *optional]
 
 
 def test_upstream_still_sets_the_flag_the_patch_clears():
@@ -149,8 +171,10 @@ def test_raw_upstream_gets_breakable_graphs_first_and_is_refused_without_its_bre
     monkeypatch.setattr(K.inspect, "getsource", lambda obj: "self._use_hc_down_silu = (")
     names = {q for _, q in K.GRAPH_BREAKS}
     breaks(enabled=True, wrapped=names)
+    with pytest.raises(ValueError, match="VLLM_USE_BREAKABLE_CUDAGRAPH=1"):
+        K.prepare_upstream_without_plugin(graphs=True)  # the caller enables them before importing vLLM
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
     note = K.prepare_upstream_without_plugin(graphs=True, force_sm86=True)
-    assert K.os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "1"
     assert note and "QWEN4EXP_FORCE_SM86" in note
     assert restore.__init__.__name__ == "init_without_cute_dsl"
     breaks(enabled=True, wrapped=names - {"Qwen4ExpPLELayer._short_conv"})

@@ -297,11 +297,12 @@ def test_the_subclass_reads_every_ple_format_ours_reads():
 
 def test_cuda_branch_of_the_upstream_module_imports_and_installs(monkeypatch):
     """What vLLM's CUDA build imports for QWEN4EXP_CUDA_MODEL=upstream, imported here with the build
-    check answered "CUDA": the subclasses exist with our mapping, and both installs ran."""
+    check answered "CUDA": the subclasses exist with our mapping; importing installs nothing, and
+    the patches their construction applies replace upstream's QSA attention and PLE table classes."""
     import importlib
     import sys
 
-    import model.runtime.cuda_model_choice as choice
+    import model.deployment.implementation as choice
 
     import_upstream("vllm.models.qwen4_exp.nvidia.model")
     import vllm.models.qwen4_exp.nvidia.model as upstream_model
@@ -309,15 +310,22 @@ def test_cuda_branch_of_the_upstream_module_imports_and_installs(monkeypatch):
 
     monkeypatch.setattr(choice, "vllm_is_cpu_build", lambda: False)
     monkeypatch.delitem(sys.modules, "model.upstream.model", raising=False)
-    monkeypatch.setattr(upstream_model, "Qwen4ExpQSAAttention", upstream_model.Qwen4ExpQSAAttention)
-    monkeypatch.setattr(
-        upstream_ple_layer, "Qwen4ExpNGramEmbedding", upstream_ple_layer.Qwen4ExpNGramEmbedding
-    )
+    # Stand-ins for upstream's own classes (an earlier test may have installed ours already).
+    monkeypatch.setattr(upstream_model, "Qwen4ExpQSAAttention", type("UpstreamQSA", (), {}))
+    import vllm.models.qwen4_exp.nvidia.ngram_embedding as upstream_ngram
+
+    monkeypatch.setattr(upstream_ple_layer, "Qwen4ExpNGramEmbedding", upstream_ngram.Qwen4ExpNGramEmbedding)
     cuda_module = importlib.import_module("model.upstream.model")
     try:
         assert issubclass(cuda_module.Qwen4ExpForCausalLM, upstream_model.Qwen4ExpForCausalLM)
         for cls in (cuda_module.Qwen4ExpForCausalLM, cuda_module.Qwen4ExpForConditionalGeneration):
             assert cls.packed_modules_mapping["qkv_proj"] == ["q_proj", "k_proj", "v_proj"]
+        assert upstream_model.Qwen4ExpQSAAttention.__name__ == "UpstreamQSA"  # importing installed nothing
+        assert upstream_ple_layer.Qwen4ExpNGramEmbedding is upstream_ngram.Qwen4ExpNGramEmbedding
+        from model.deployment.resolve import resolve
+        from model.upstream import patches
+
+        patches.apply(resolve({}, cpu_build=False))
         assert upstream_model.Qwen4ExpQSAAttention.__name__ == "Qwen4ExpQSAAttentionSm86"
         assert upstream_ple_layer.Qwen4ExpNGramEmbedding.__module__ == "model.upstream.ple"
     finally:

@@ -7,12 +7,11 @@ injected facts; ``tests/gpu/test_upstream_cuda.py`` starts upstream on a GPU.
 from __future__ import annotations
 
 import importlib
-import os
 from types import SimpleNamespace
 
 import pytest
 
-from model.runtime import cuda_model_choice as choice
+from model.deployment import implementation as choice
 from model.runtime import envs
 
 CLEAN_CONFIG = {
@@ -36,9 +35,9 @@ def problems(config=None, env=None, **facts):
 def test_parser_spellings_default_and_errors():
     assert envs.cuda_model({}) == "auto"
     assert envs.cuda_model({envs.CUDA_MODEL: " "}) == "auto"
-    assert choice.resolve("auto", cpu_build=True) == "ours"
-    assert choice.resolve("auto", cpu_build=False) == "upstream"
-    assert choice.resolve("ours", cpu_build=False) == "ours"
+    assert choice.registered("auto", cpu_build=True) == "ours"
+    assert choice.registered("auto", cpu_build=False) == "upstream"
+    assert choice.registered("ours", cpu_build=False) == "ours"
     assert envs.cuda_model({envs.CUDA_MODEL: "Upstream "}) == "upstream"
     assert envs.cuda_model({envs.CUDA_MODEL: "OURS"}) == "ours"
     for bad in ("vllm", "native", "1", "up"):
@@ -137,8 +136,8 @@ def test_all_problems_are_reported_at_once():
 
 def test_registration_targets():
     ours = {
-        "Qwen4ExpForCausalLM": "model.adapter.model:Qwen4ExpForCausalLM",
-        "Qwen4ExpForConditionalGeneration": "model.adapter.model:Qwen4ExpForConditionalGeneration",
+        "Qwen4ExpForCausalLM": "model.ours.model:Qwen4ExpForCausalLM",
+        "Qwen4ExpForConditionalGeneration": "model.ours.model:Qwen4ExpForConditionalGeneration",
     }
     assert choice.registration_targets("ours", cpu_build=True) == ours
     assert choice.registration_targets("ours", cpu_build=False) == ours
@@ -147,9 +146,9 @@ def test_registration_targets():
         "Qwen4ExpForConditionalGeneration": "model.upstream.model:Qwen4ExpForConditionalGeneration",
     }
     assert choice.registration_targets("upstream", cpu_build=True) == {
-        "Qwen4ExpForCausalLM": "model.upstream.model:Qwen4ExpForCausalLMRefusedOnCpuBuild",
+        "Qwen4ExpForCausalLM": "model.ours.upstream_stand_ins:Qwen4ExpForCausalLMRefusedOnCpuBuild",
         "Qwen4ExpForConditionalGeneration": (
-            "model.upstream.model:Qwen4ExpForConditionalGenerationRefusedOnCpuBuild"
+            "model.ours.upstream_stand_ins:Qwen4ExpForConditionalGenerationRefusedOnCpuBuild"
         ),
     }
     # auto: ours on the CPU build, upstream's subclasses on CUDA.
@@ -170,7 +169,7 @@ def test_plugin_registers_the_choice(monkeypatch):
     """``register()`` on this machine (vLLM's CPU build): ours by default, the stand-ins for upstream."""
     from vllm import ModelRegistry
 
-    from model.runtime import plugin
+    from model import plugin
 
     assert choice.vllm_is_cpu_build(), "these CPU tests run on vLLM's CPU build"
     registered = {}
@@ -212,30 +211,6 @@ def test_ple_needs_a_single_eos_id_for_upstream():
         (found,) = problems({**ple, "eos_token_id": eos})
         assert f"eos_token_id={eos!r}" in found and "QWEN4EXP_CUDA_MODEL=ours" in found
     assert problems({**CLEAN_CONFIG, "eos_token_id": [7, 8]}) == []  # no PLE layers: not read
-
-
-def test_service_picks_the_model_runner_for_the_implementation(monkeypatch):
-    """On CUDA the service sets VLLM_USE_V2_MODEL_RUNNER for the chosen implementation unless the
-    operator set it; on vLLM's CPU build it leaves it alone."""
-    from service import engine
-
-    monkeypatch.setattr(choice, "vllm_is_cpu_build", lambda: False)
-    # Recorded first, so that monkeypatch removes what default_model_runner() writes into os.environ
-    # (delenv of an absent name records nothing: the variable leaked into later tests).
-    monkeypatch.setenv(choice.V2_RUNNER, "")
-    for value, want in (("", "1"), ("auto", "1"), ("upstream", "1"), ("ours", "0")):
-        monkeypatch.setenv(envs.CUDA_MODEL, value)
-        monkeypatch.delenv(choice.V2_RUNNER, raising=False)
-        engine.default_model_runner()
-        assert os.environ[choice.V2_RUNNER] == want, value
-    monkeypatch.setenv(choice.V2_RUNNER, "0")  # the operator's setting wins
-    monkeypatch.setenv(envs.CUDA_MODEL, "upstream")
-    engine.default_model_runner()
-    assert os.environ[choice.V2_RUNNER] == "0"
-    monkeypatch.setattr(choice, "vllm_is_cpu_build", lambda: True)
-    monkeypatch.delenv(choice.V2_RUNNER)
-    engine.default_model_runner()
-    assert choice.V2_RUNNER not in os.environ
 
 
 PLE_CONFIG = {**CLEAN_CONFIG, "ple_layer_ids": [1], "eos_token_id": 2}

@@ -36,7 +36,8 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from model.ple.vllm_layer import (
+from model.deployment import resolve
+from model.ours.ple_layer import (
     PLE_STATE_COPY_FUNCS,
     PLEPrefetcher,
     Qwen4ExpPLE,
@@ -169,6 +170,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasInnerState, IsHybrid):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
+        resolve.of(vllm_config).require("ours")
         config = vllm_config.model_config.hf_text_config
         self.config = config
         quant_name = vllm_config.quant_config and vllm_config.quant_config.get_name()

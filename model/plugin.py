@@ -5,19 +5,22 @@ inspection subprocess). Registering under the upstream names replaces vLLM's bui
 Qwen4Exp; ``QWEN4EXP_CUDA_MODEL`` (:mod:`model.runtime.envs`) says with what:
 
 * ``auto`` (default): ``ours`` on vLLM's CPU build (the only one there), ``upstream`` on CUDA
-  (7-16x faster, the same tokens: ``docs/design/upstream-on-cuda.md``). The service resolves
-  ``auto`` before vLLM starts, from config.json and the GPU, and passes ``ours`` on where upstream
-  cannot serve the checkpoint (``model.runtime.cuda_model_choice.choose_implementation``).
-* ``ours``: this plugin's implementation (``model.adapter.model``), on vLLM's CPU build and on
+  (7-16x faster, the same tokens: ``docs/design/upstream-on-cuda.md``). The service resolves the
+  deployment before vLLM starts (``model.deployment.resolve``), from config.json and the GPU, and
+  hands vLLM's processes the implementation it chose (``ours`` where upstream cannot serve the
+  checkpoint): registration happens before any configuration exists, so this one value comes
+  through the environment (``Deployment.child_environment``), the rest through ``additional_config``.
+* ``ours``: this plugin's implementation (``model.ours.model``), on vLLM's CPU build and on
   CUDA (V1 runner, no CUDA graphs; any checkpoint shape).
 * ``upstream``, on CUDA: vLLM's own implementation behind thin subclasses
   (``model.upstream.model``) that add the RTX 3090's parts and stop start-up, listing
   every reason, where it lacks a feature ours has or needs a setting that is missing
-  (``model.runtime.cuda_model_choice``).
+  (``model.deployment.implementation``).
 * ``upstream``, on vLLM's CPU build (decided by vLLM's own ``vllm_version_matches_substr``, as
   ``service.cuda_preflight`` does; no GPU is touched): upstream cannot run there, and serving ours
-  under that name would hide the misconfiguration, so the registered classes are stand-ins whose
-  construction raises the problem list naming ``QWEN4EXP_CUDA_MODEL``.
+  under that name would hide the misconfiguration, so the registered classes are stand-ins
+  (``model.ours.upstream_stand_ins``) whose construction raises the problem list naming
+  ``QWEN4EXP_CUDA_MODEL``.
 
 Targets are lazy ``module:Class`` strings, so upstream's module is imported only when vLLM needs
 the class. A malformed ``QWEN4EXP_CUDA_MODEL`` raises here (the service refuses it earlier).
@@ -31,7 +34,8 @@ prompt's first token waited milliseconds on decoding the prompt).
 
 from __future__ import annotations
 
-from model.runtime import cuda_model_choice, envs
+from model.deployment import implementation
+from model.runtime import envs
 
 
 def register() -> None:
@@ -43,8 +47,8 @@ def register() -> None:
     vllm_fixes.install()
     detokenize_prime.install()
 
-    targets = cuda_model_choice.registration_targets(
-        envs.cuda_model(), cpu_build=cuda_model_choice.vllm_is_cpu_build()
+    targets = implementation.registration_targets(
+        envs.cuda_model(), cpu_build=implementation.vllm_is_cpu_build()
     )
     for arch, target in targets.items():
         ModelRegistry.register_model(arch, target)

@@ -39,14 +39,17 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
+from model.deployment import resolve
 from model.kernels import qsa_sparse_attention as qsa_kernel
 from model.ops.qsa_indexer import pooled_block_keys, select_tokens, select_tokens_batched
 from model.ops.qsa_sparse_attention import sparse_paged_attention_ref
 from model.ops.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from model.qsa_kv import ops as kv_ops
-from model.qsa_kv.settings import FP8_E4M3, QSAKVConfigError, QSAKVSettings, resolve_kv_format
+from model.qsa_kv.layer_names import qsa_layer_names
+from model.qsa_kv.settings import FP8_E4M3, QSAKVConfigError, resolve_kv_format
 from model.qsa_kv.state import QSAKVState
 from model.runtime import envs
+from model.runtime.execution_mode import runs_eagerly
 
 from .hyper_connection import ZeroCenteredRMSNorm
 from .step_metadata import StepMetadataBackend, step_metadata
@@ -57,35 +60,6 @@ def register_layer(vllm_config: VllmConfig, name: str, layer: nn.Module) -> None
     if name in context:
         raise ValueError(f"Duplicate layer name: {name}")
     context[name] = layer
-
-
-def qsa_layer_names(prefix: str, layer_types: Sequence[str]) -> list[str]:
-    """Prefixes of every QSA layer of the whole model, derived from one layer's own prefix.
-
-    A decoder layer is QSA unless its ``layer_types`` entry is ``linear_attention`` (see
-    ``model.py``). vLLM asserts that a layer name holds exactly one integer, the layer index, so
-    substituting it gives the other layers' names whatever the outer prefix is.
-    """
-    parts = prefix.split(".")
-    digits = [i for i, part in enumerate(parts) if part.isdigit()]
-    if len(digits) != 1:
-        raise ValueError(f"cannot find the layer index in QSA layer prefix {prefix!r}")
-    at = digits[0]
-    names = []
-    for index, kind in enumerate(layer_types):
-        if kind != "linear_attention":
-            names.append(".".join([*parts[:at], str(index), *parts[at + 1 :]]))
-    return names
-
-
-def _eager(vllm_config: VllmConfig) -> bool:
-    """Whether the forward runs eagerly: no CUDA graphs and no torch.compile of the model."""
-    from vllm.config.compilation import CompilationMode, CUDAGraphMode
-
-    if vllm_config.model_config.enforce_eager:
-        return True
-    cc = vllm_config.compilation_config
-    return cc.mode in (None, CompilationMode.NONE) and cc.cudagraph_mode in (None, CUDAGraphMode.NONE)
 
 
 class QSACache(nn.Module, AttentionLayerBase):
@@ -125,9 +99,9 @@ class QSACache(nn.Module, AttentionLayerBase):
         self.kv_state = QSAKVState(
             layer_name=layer_name,
             kv_format=self.kv_format,
-            settings=QSAKVSettings.from_env(),
+            settings=resolve.of(vllm_config).qsa_kv,
             expected_layers=list(all_layer_names) if all_layer_names is not None else [layer_name],
-            eager=_eager(vllm_config),
+            eager=runs_eagerly(vllm_config),
             model=str(vllm_config.model_config.model),
             cache_dtype=cache_dtype,
             engine=vllm_config.instance_id,

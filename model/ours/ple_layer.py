@@ -31,13 +31,13 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import MambaCopySpec
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from model.adapter.hyper_connection import WeightOnly, ZeroCenteredRMSNorm
-from model.adapter.qsa_attention import register_layer
-from model.adapter.step_metadata import StepMetadataBackend, step_metadata
+from model.deployment import resolve
+from model.ours.hyper_connection import WeightOnly, ZeroCenteredRMSNorm
+from model.ours.qsa_attention import register_layer
+from model.ours.step_metadata import StepMetadataBackend, step_metadata
 from model.ple.ngram_hash import next_context, ngram_row_ids, token_windows
 from model.ple.reference import dilated_causal_conv, ple_gated_values
 from model.ple.vllm_table import NgramTable
-from model.runtime import envs
 
 
 def ple_state_shapes(config, num_spec: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -140,12 +140,14 @@ class Qwen4ExpPLE(nn.Module):
         self.norm_conv = ZeroCenteredRMSNorm(width, self.eps, self.hidden_size)
         self.conv1d = WeightOnly(width, 1, config.ple_conv_kernel_size)
         device = torch.device(vllm_config.device_config.device)
-        self.prefetch = envs.ple_prefetch(cuda=device.type == "cuda")
+        deployment = resolve.of(vllm_config)
+        self.prefetch = deployment.ple_prefetch
         self.ple_embedding = NgramTable(
             config,
             ple_index,
             layer_name=prefix,
             device=device,
+            mode=deployment.ple_storage,
             out_dtype=vllm_config.model_config.dtype,
             prefetch=self.prefetch,
             max_tokens=vllm_config.scheduler_config.max_num_batched_tokens,

@@ -51,7 +51,7 @@ def disable_cute_dsl_hc(missing: list[str] | None = None, force_sm86: bool = Fal
             raise RuntimeError(
                 "vLLM's qwen4_exp GatedResidual no longer sets _use_hc_down_silu, so the CuTe-DSL kernel "
                 f"cannot be turned off ({why}); install nvidia-cutlass-dsl and quack-kernels, unset "
-                "QWEN4EXP_FORCE_SM86, or re-check model/upstream/kernels.py"
+                "QWEN4EXP_FORCE_SM86, or re-check model/upstream/optional_kernels.py"
             )
         original_init = cls.__init__
 
@@ -131,11 +131,15 @@ def prepare_upstream_without_plugin(graphs: bool, force_sm86: bool = False) -> s
     """For a process that builds vLLM's own Qwen4-Exp with our plugin off (the benches' baseline)
     and whose engine core runs in this process: turn off the CuTe-DSL HC kernel where that is our
     rule (:func:`disable_cute_dsl_hc`), which imports upstream before ``LLM()``. Upstream decides its
-    graph breaks at import, so with CUDA graphs breakable graphs are enabled first, as vLLM's config
-    would for Qwen4-Exp, and missing breaks are refused: without them the engine timed would capture
-    its GDN/QSA/PLE calls and be a different, wrong one. Returns the note logged, if any."""
-    if graphs:
-        os.environ.setdefault("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    graph breaks at import, so with CUDA graphs the caller enables breakable graphs first
+    (``VLLM_USE_BREAKABLE_CUDAGRAPH=1`` in its environment, as vLLM's config would for Qwen4-Exp;
+    refused here otherwise), and missing breaks are refused: without them the engine timed would
+    capture its GDN/QSA/PLE calls and be a different, wrong one. Returns the note logged, if any."""
+    if graphs and os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH", "").strip() != "1":
+        raise ValueError(
+            "upstream with CUDA graphs and the plugin off needs VLLM_USE_BREAKABLE_CUDAGRAPH=1 set before "
+            "vLLM is imported; fix: set it in the environment first, or run eagerly"
+        )
     note = disable_cute_dsl_hc(force_sm86=force_sm86)
     refuse_missing_graph_breaks()
     return note

@@ -24,8 +24,9 @@ from model.ple import format as ple_format
 from model.runtime import envs, sm86
 
 ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration")
-OURS_MODULE = "model.adapter.model"
+OURS_MODULE = "model.ours.model"
 UPSTREAM_MODULE = "model.upstream.model"
+UPSTREAM_STAND_IN_MODULE = "model.ours.upstream_stand_ins"
 # On vLLM's CPU build ``upstream`` is served by these (subclasses of ours whose construction raises):
 # own names, so vLLM's model-info cache (keyed by module and class name) never hands the CUDA
 # build the CPU build's inspection of the same module.
@@ -128,7 +129,7 @@ def problems_for_upstream(
         heads, head_dim = text.get("indexer_n_heads"), text.get("indexer_head_dim")
         indexer_fp8 = (indexer_kv_dtype or "auto").strip().lower() == "fp8"
         if shared_memory_per_block and heads and head_dim:
-            from model.upstream.indexer_tiles import refusal
+            from model.deployment.indexer_tile_fit import refusal
 
             cap = 86 if capability is None else capability[0] * 10 + capability[1]
             why = refusal(
@@ -237,33 +238,30 @@ def choose_implementation(
     return "ours", problems
 
 
-def resolve(choice: str, *, cpu_build: bool) -> str:
-    """``auto`` -> ``ours`` on vLLM's CPU build, ``upstream`` on CUDA; other choices as they are."""
+def registered(choice: str, *, cpu_build: bool) -> str:
+    """What registration serves for a choice, before any configuration exists: ``auto`` -> ``ours``
+    on vLLM's CPU build, ``upstream`` on CUDA; other choices as they are. The service then hands
+    each process the choice :func:`model.deployment.resolve.resolve` made, already resolved."""
     if choice == "auto":
         return "ours" if cpu_build else "upstream"
     return choice
 
 
-def chosen(env: Mapping[str, str] | None = None) -> str:
-    """The implementation this process builds: ``QWEN4EXP_CUDA_MODEL`` (``env``, default the
-    environment) resolved for the installed vLLM build; ``envs.EnvError`` if it is malformed."""
-    return resolve(envs.cuda_model(env), cpu_build=vllm_is_cpu_build())
-
-
 def registration_targets(choice: str, *, cpu_build: bool) -> dict[str, str]:
     """The ``module:Class`` vLLM registers for each architecture name.
 
-    ``auto`` -> :func:`resolve`. ``ours`` -> ours, on either build. ``upstream`` on CUDA -> the upstream subclasses. ``upstream``
+    ``auto`` -> :func:`registered`. ``ours`` -> ours, on either build. ``upstream`` on CUDA -> the upstream subclasses. ``upstream``
     on vLLM's CPU build -> subclasses of ours that raise :func:`refusal_message` when constructed,
     so the deployment neither imports upstream there (it cannot) nor silently serves ours.
     """
     if choice not in envs.CUDA_MODEL_CHOICES:
         raise ValueError(f"unknown {envs.CUDA_MODEL} choice {choice!r}; use one of {envs.CUDA_MODEL_CHOICES}")
-    choice = resolve(choice, cpu_build=cpu_build)
+    choice = registered(choice, cpu_build=cpu_build)
     if choice == "ours":
         return {arch: f"{OURS_MODULE}:{arch}" for arch in ARCHITECTURES}
-    suffix = REFUSED_ON_CPU_SUFFIX if cpu_build else ""
-    return {arch: f"{UPSTREAM_MODULE}:{arch}{suffix}" for arch in ARCHITECTURES}
+    if cpu_build:
+        return {arch: f"{UPSTREAM_STAND_IN_MODULE}:{arch}{REFUSED_ON_CPU_SUFFIX}" for arch in ARCHITECTURES}
+    return {arch: f"{UPSTREAM_MODULE}:{arch}" for arch in ARCHITECTURES}
 
 
 def vllm_is_cpu_build() -> bool:

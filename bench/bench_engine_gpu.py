@@ -3,9 +3,9 @@ length, eager vs CUDA graphs, printed as a markdown table.
 
 Run on a machine with vLLM's CUDA build, from the repository root:
 
-    PYTHONPATH=. python3 bench/bench_engine_gpu.py [--model checkpoints/tiny] [--new-tokens 128]
+    PYTHONPATH=. python3 bench/bench_engine_gpu.py [--model checkpoints/tiny] [--new-tokens 128] [--tp 1,2,4]
 
-One engine per mode, each in its own process (V1 runner, Triton GDN prefill as on a 3090, PLE
+One engine per mode (and per tensor-parallel size of ``--tp``, as mode ``graphs+tp2``), each in its own process (V1 runner, Triton GDN prefill as on a 3090, PLE
 tables pinned in host memory, the default). Throughput: ``batch`` requests of a short prompt, each
 generating ``--new-tokens`` tokens (``ignore_eos``), all submitted at once; tok/s = generated tokens
 / wall time of the whole batch, median of ``--repeats`` runs after one warm-up. TTFT: one request
@@ -87,7 +87,7 @@ def child(spec: dict) -> dict:
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     from vllm import LLM
 
-    graphs = spec["mode"] == "graphs"
+    graphs = spec["mode"].split("+")[0] == "graphs"
     sizes = sorted(set([1, 2, 4, 8, 16, 32, 64] + spec["batches"]))
     t0 = time.perf_counter()
     llm = LLM(
@@ -98,6 +98,7 @@ def child(spec: dict) -> dict:
         max_model_len=max(spec["ttft"]) + 64,
         max_num_seqs=max(spec["batches"]),
         gpu_memory_utilization=0.5,
+        tensor_parallel_size=spec.get("tp", 1),
         seed=0,
         additional_config={"gdn_prefill_backend": "triton"},
         **({"compilation_config": {"cudagraph_capture_sizes": sizes}} if graphs else {}),
@@ -118,6 +119,7 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--modes", default="eager,graphs")
+    p.add_argument("--tp", default="1", help="tensor-parallel sizes, e.g. 1,2,4: each mode runs at each")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -127,9 +129,12 @@ def main() -> int:
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes.split(","):
+        for mode in [
+            m if tp == "1" else f"{m}+tp{tp}" for tp in args.tp.split(",") for m in args.modes.split(",")
+        ]:
             spec = {
                 "mode": mode,
+                "tp": int(mode.rsplit("+tp", 1)[1]) if "+tp" in mode else 1,
                 "model": args.model,
                 "batches": [int(x) for x in args.batches.split(",")],
                 "ttft": [int(x) for x in args.ttft.split(",")],
@@ -171,7 +176,7 @@ def main() -> int:
     out = os.environ.get("OUT")
     if out:
         Path(out, "bench_engine_gpu.md").write_text(text + "\n")
-    return 0 if len(results) == len(args.modes.split(",")) else 1
+    return 0 if len(results) == len(args.modes.split(",")) * len(args.tp.split(",")) else 1
 
 
 if __name__ == "__main__":

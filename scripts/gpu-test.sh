@@ -6,7 +6,8 @@
 #
 # Usage: bash scripts/gpu-test.sh [--logs DIR] [--streams "NAME ..."] [--bench] [-k EXPR]
 #   streams (default: all): kernels parity service service_upstream upstream upstream_quant
-#     marlin prefix fidelity preemption real_shape
+#     marlin prefix fidelity preemption real_shape; and, asked for alone on a multi-GPU host
+#     (it uses every GPU): tp (tensor parallelism 2 and 4 against one GPU and float32)
 #   --bench   after the judges, the GPU benchmarks (timing only) into DIR/bench-*.log
 #   -k EXPR   passed to every stream's pytest
 # Environment: EXTRA_PYTHONPATH (e.g. a --target install of the CUDA stack), GPU_TEST_KV_CACHE_BYTES.
@@ -51,6 +52,7 @@ want prefix && stream prefix tests/gpu/test_prefix_cache_cuda.py &
 want fidelity && stream fidelity tests/gpu/test_fidelity_cuda.py &
 want preemption && stream preemption tests/gpu/test_preemption_cuda.py &
 want real_shape && stream real_shape tests/gpu/test_real_shape_cuda.py &
+want tp && stream tp tests/gpu/test_tp_cuda.py &
 wait
 if [ "$bench" = 1 ]; then
   for b in bench/gpu_qsa_kernels.py bench/gpu_ple_gather.py bench/bench_engine_gpu.py bench/bench_real_shape.py; do

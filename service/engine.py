@@ -27,7 +27,15 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from model.deployment import implementation
-from model.deployment.resolve import FP8_MARLIN, V2_RUNNER, Deployment, DeploymentError, GpuFacts, resolve
+from model.deployment.resolve import (
+    CPU_THREADS_BIND,
+    FP8_MARLIN,
+    V2_RUNNER,
+    Deployment,
+    DeploymentError,
+    GpuFacts,
+    resolve,
+)
 from model.runtime import envs
 
 from .chat_features import ChatFeatures
@@ -179,6 +187,17 @@ def gpu_facts(device: str) -> GpuFacts | None:
     )
 
 
+def memory_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where there is no such file)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def resolve_deployment(settings: ServiceSettings, device: str) -> Deployment:
     """:func:`model.deployment.resolve.resolve` with this process's facts; logs the choice."""
     deployment = resolve(
@@ -187,7 +206,18 @@ def resolve_deployment(settings: ServiceSettings, device: str) -> Deployment:
         kv_cache_dtype=settings.kv_cache_dtype,
         config=read_config(settings) if device == "cuda" else None,
         gpu=gpu_facts(device),
+        tensor_parallel_size=settings.tensor_parallel_size,
+        cpus=tuple(sorted(os.sched_getaffinity(0))),
+        memory_available=memory_available(),
+        kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
     )
+    if deployment.cpu_threads_bind is not None or deployment.cpu_kv_cache_bytes is not None:
+        log.info(
+            "%d ranks on vLLM's CPU build: cores %s, %s bytes of KV cache each",
+            deployment.tensor_parallel_size,
+            deployment.cpu_threads_bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+            deployment.cpu_kv_cache_bytes or "the given",
+        )
     if device == "cuda" and deployment.requested_implementation == "auto":
         if deployment.upstream:
             log.info("QWEN4EXP_CUDA_MODEL=auto serves vLLM's own CUDA Qwen4-Exp through our subclass")
@@ -389,7 +419,7 @@ def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namesp
         argv = cli_args(settings, device, deployment, features)
     except SettingsError as exc:
         raise SettingsError("\n".join([*problems, str(exc)])) from None
-    export(deployment.child_environment(), keep_operator_values=(V2_RUNNER, FP8_MARLIN))
+    export(deployment.child_environment(), keep_operator_values=(V2_RUNNER, FP8_MARLIN, CPU_THREADS_BIND))
     for note in features.notes:
         log.info("%s", note)
     log.info("vLLM engine flags: %s", shlex.join(argv))

@@ -85,7 +85,12 @@ class ServiceSettings(BaseSettings):
         "auto",
         description="`auto` uses the platform of the installed vLLM build; `cpu` or `cuda` must match it.",
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel ranks (GPUs), e.g. 4.")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Tensor-parallel ranks (GPUs), e.g. 4. On vLLM's CPU build one worker process per rank, "
+        "each on its own cores, with half the available memory for the KV caches unless sized.",
+    )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Weight/activation dtype; `auto` takes it from config.json."
     )

@@ -27,6 +27,10 @@ from model.runtime import additional_config, envs
 
 V2_RUNNER = implementation.V2_RUNNER
 FP8_MARLIN = "VLLM_TEST_FORCE_FP8_MARLIN"
+CPU_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+# On vLLM's CPU build with several ranks and no size given: this share of the memory available
+# at start-up goes to the KV caches of all ranks together (vLLM would give each rank nearly all of it).
+CPU_TP_KV_SHARE = 0.5
 
 
 class DeploymentError(ValueError):
@@ -67,6 +71,9 @@ class Deployment:
     v2_runner: bool | None  # VLLM_USE_V2_MODEL_RUNNER to set (None: the operator's or not CUDA)
     fp8_marlin: bool  # FP8 weights through Marlin, as on sm_86 (forced on a newer GPU)
     fault_tokens: tuple[tuple[int, bool], ...] = field(default=())  # tests only: (token id, fatal)
+    tensor_parallel_size: int = 1  # QWEN4EXP_TENSOR_PARALLEL_SIZE
+    cpu_threads_bind: str | None = None  # vLLM's CPU build, several ranks: the cores of each rank
+    cpu_kv_cache_bytes: int | None = None  # vLLM's CPU build, several ranks: each rank's KV cache
 
     @property
     def upstream(self) -> bool:
@@ -101,6 +108,8 @@ class Deployment:
         if self.device == "cuda" and self.upstream and self.ple_storage == "device":
             # Upstream's PLE tables follow vLLM's engram_config (default: pinned host memory).
             argv += ["--engram-config", json.dumps({"cpu_offload": False})]
+        if self.cpu_kv_cache_bytes is not None:
+            argv += ["--kv-cache-memory-bytes", str(self.cpu_kv_cache_bytes)]
         return argv
 
     def child_environment(self) -> dict[str, str]:
@@ -115,6 +124,8 @@ class Deployment:
             env[V2_RUNNER] = "1" if self.v2_runner else "0"
         if self.fp8_marlin:
             env[FP8_MARLIN] = "1"
+        if self.cpu_threads_bind is not None:
+            env[CPU_THREADS_BIND] = self.cpu_threads_bind
         return env
 
 
@@ -152,13 +163,20 @@ def resolve(
     config: Mapping[str, Any] | None = None,
     gpu: GpuFacts | None = None,
     indexer_kv_dtype: str | None = None,
+    tensor_parallel_size: int = 1,
+    cpus: tuple[int, ...] = (),
+    memory_available: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
 ) -> Deployment:
     """The deployment for these facts; :class:`DeploymentError` lists every malformed variable.
 
     ``env``: the environment (only the model's variables and ``VLLM_USE_V2_MODEL_RUNNER`` are read);
     ``cpu_build``: vLLM's CPU build is installed; ``config``: config.json as a dict (None: not
     readable here, then ``auto`` takes the build's default and the model class checks in the worker);
-    ``gpu``: the GPU's facts (None on the CPU build or when unknown)."""
+    ``gpu``: the GPU's facts (None on the CPU build or when unknown); ``cpus``, ``memory_available``
+    (bytes) and ``kv_cache_memory_bytes`` (the operator's size, None: unset) place several ranks on
+    vLLM's CPU build, which otherwise asks for one NUMA node per rank and sizes each rank's KV cache
+    from the whole machine's memory."""
     problems: list[str] = []
 
     def read(name: str) -> Any:
@@ -188,6 +206,11 @@ def resolve(
         if (token := read(name)) is not None
     )
     operator_v2 = _flag_or_none(env.get(V2_RUNNER))
+    threads_bind, kv_bytes = None, None
+    if cpu_build and tensor_parallel_size > 1:
+        threads_bind, kv_bytes = _cpu_ranks(
+            env, tensor_parallel_size, cpus, memory_available, kv_cache_memory_bytes, problems
+        )
     if problems:
         raise DeploymentError("\n".join(problems))
 
@@ -212,7 +235,52 @@ def resolve(
         v2_runner=(impl == "upstream") if cuda and operator_v2 is None else None,
         fp8_marlin=cuda and force_sm86,
         fault_tokens=faults,
+        tensor_parallel_size=tensor_parallel_size,
+        cpu_threads_bind=threads_bind,
+        cpu_kv_cache_bytes=kv_bytes,
     )
+
+
+def split_cores(cpus: list[int] | tuple[int, ...], ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks: the cores in as many equal, contiguous
+    groups (a remainder stays unused), e.g. ``0,1|2,3``."""
+    ordered = sorted(cpus)
+    per = len(ordered) // ranks
+    return "|".join(",".join(map(str, ordered[i * per : (i + 1) * per])) for i in range(ranks))
+
+
+def _cpu_ranks(
+    env: Mapping[str, str],
+    tp: int,
+    cpus: tuple[int, ...],
+    memory_available: int | None,
+    kv_cache_memory_bytes: int | None,
+    problems: list[str],
+) -> tuple[str | None, int | None]:
+    """Cores and KV-cache bytes of each rank on vLLM's CPU build: the allowed cores split into ``tp``
+    contiguous groups (vLLM's own binding wants a NUMA node per rank, which a one-socket host lacks),
+    unless ``VLLM_CPU_OMP_THREADS_BIND`` is set; and, unless a size is given, a share of the
+    available memory divided among the ranks (vLLM would size each rank from all of it, and the
+    ranks together would not fit)."""
+    bind = None
+    if not env.get(CPU_THREADS_BIND, "").strip():
+        ordered = sorted(cpus)
+        if len(ordered) < tp:
+            problems.append(
+                f"QWEN4EXP_TENSOR_PARALLEL_SIZE={tp} on vLLM's CPU build needs a core per rank, and this "
+                f"process may use {len(ordered)}; fix: lower QWEN4EXP_TENSOR_PARALLEL_SIZE, or set "
+                f"{CPU_THREADS_BIND} (vLLM's syntax: cores per rank separated by |)"
+            )
+        else:
+            bind = split_cores(ordered, tp)
+    kv_bytes = None
+    if (
+        kv_cache_memory_bytes is None
+        and not env.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+        and memory_available
+    ):
+        kv_bytes = int(memory_available * CPU_TP_KV_SHARE) // tp
+    return bind, kv_bytes
 
 
 def _choose(

@@ -8,8 +8,10 @@ Prompts: ``salted`` (shuffled corpus with random tokens, ``measure.prompts_of_le
 (the corpus repeated exactly, ``measure.repeated_prompts``: a near-tie recurs at every copy), both
 (each length twice), or a JSON file of ``{name: token ids}``. ``--init transformers`` keeps
 transformers' own initialisation of generated shapes (flat distributions, many near-ties). A run's
-mode may add ``+fp8`` (the FP8 E4M3 QSA cache), ``+ssm32`` (float32 GDN state) and ``+upstream-hc``
-(upstream's own hyper-connection gate mix, ``QWEN4EXP_HC_REFERENCE_ROUNDING=0``).
+mode may add ``+fp8`` (the FP8 E4M3 QSA cache), ``+ssm32`` (float32 GDN state), ``+upstream-hc``
+(upstream's own hyper-connection gate mix, ``QWEN4EXP_HC_REFERENCE_ROUNDING=0``), ``+tp2``/``+tp4``
+(tensor parallelism over that many GPUs), ``+nop2p`` (``NCCL_P2P_DISABLE=1``: all-reduce through host
+memory, as on GPUs without peer access) and ``+noar`` (vLLM's custom all-reduce off, NCCL's instead).
 
 For each shape: a random-weight checkpoint (``model.tools.checkpoints``; or a checkpoint directory of
 one's own, with its tokenizer), transformers' float32 reference
@@ -58,7 +60,15 @@ def engine_env(impl: str, mode: str = "eager") -> dict[str, str]:
     }
     if "upstream-hc" in mode_flags(mode):
         env["QWEN4EXP_HC_REFERENCE_ROUNDING"] = "0"
+    if "nop2p" in mode_flags(mode):
+        env["NCCL_P2P_DISABLE"] = "1"
     return env
+
+
+def tensor_parallel_size(mode: str) -> int:
+    """The ``+tpN`` option of a run mode (1 without one)."""
+    sizes = [int(flag[2:]) for flag in mode_flags(mode) if flag.startswith("tp") and flag[2:].isdigit()]
+    return sizes[-1] if sizes else 1
 
 
 def engine_args(mode: str, max_len: int) -> dict:
@@ -70,6 +80,10 @@ def engine_args(mode: str, max_len: int) -> dict:
         extra["mamba_ssm_cache_dtype"] = "float32"
     if "fp8" in mode_flags(mode):
         extra["kv_cache_dtype"] = "fp8"
+    if (tp := tensor_parallel_size(mode)) > 1:
+        extra["tensor_parallel_size"] = tp
+    if "noar" in mode_flags(mode):
+        extra["disable_custom_all_reduce"] = True
     return cuda_engine_args(
         graphs=mode.split("+")[0] == "graphs",
         graph_sizes=(1, 2, 4, 8),

@@ -150,3 +150,25 @@ def test_the_implementation_is_chosen_in_one_function():
     for module in ("service/engine.py", "service/preflight_checks.py"):
         source = (ROOT / module).read_text()
         assert "from model.deployment.resolve import" in source, module
+
+
+def test_several_ranks_on_the_cpu_build_get_their_own_cores_and_a_share_of_memory():
+    d = R.resolve({}, cpu_build=True, tensor_parallel_size=2, cpus=(0, 1, 2, 3, 4), memory_available=8 << 30)
+    assert d.child_environment()[R.CPU_THREADS_BIND] == "0,1|2,3"
+    assert d.cpu_kv_cache_bytes == 2 << 30  # half of what is available, split between the ranks
+    at = d.engine_args().index("--kv-cache-memory-bytes")
+    assert d.engine_args()[at + 1] == str(2 << 30)
+    # The operator's binding and sizes are theirs; one rank needs neither.
+    given = R.resolve(
+        {R.CPU_THREADS_BIND: "0|1", "VLLM_CPU_KVCACHE_SPACE": "4"}, cpu_build=True, tensor_parallel_size=2,
+        cpus=(0, 1), memory_available=8 << 30,
+    )  # fmt: skip
+    assert (given.cpu_threads_bind, given.cpu_kv_cache_bytes) == (None, None)
+    sized = R.resolve({}, cpu_build=True, tensor_parallel_size=2, cpus=(0, 1), kv_cache_memory_bytes=1 << 30)
+    assert sized.cpu_kv_cache_bytes is None and "--kv-cache-memory-bytes" not in sized.engine_args()
+    alone = R.resolve({}, cpu_build=True, cpus=(0, 1), memory_available=8 << 30)
+    assert (alone.cpu_threads_bind, alone.cpu_kv_cache_bytes) == (None, None)
+    with pytest.raises(
+        R.DeploymentError, match="QWEN4EXP_TENSOR_PARALLEL_SIZE=4 on vLLM's CPU build needs a core"
+    ):
+        R.resolve({}, cpu_build=True, tensor_parallel_size=4, cpus=(0, 1))

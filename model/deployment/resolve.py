@@ -1,9 +1,9 @@
 """The deployment, decided once: one pure function from the facts to a frozen, typed object.
 
 Why one function: the implementation choice, the PLE storage, the 3090 forcing and the engine
-arguments that follow from them used to be worked out separately by the service's start-up, its
-preflight and the workers, each reading raw environment strings; a value could mean one thing to
-one of them and another to the next. :func:`resolve` takes every fact it needs as an argument (the
+arguments that follow from them are needed by the service's start-up, its preflight and vLLM's
+processes; decided in each from raw environment strings, a value could mean one thing to one of
+them and another to the next. :func:`resolve` takes every fact it needs as an argument (the
 model's environment variables, vLLM's cache dtype, config.json as a dict, the GPU, the vLLM build)
 and returns a :class:`Deployment`. The service's start-up, the preflight and the engine command
 line call it; vLLM's processes receive the result as data in ``additional_config``
@@ -16,6 +16,7 @@ Users' interface unchanged: each variable is parsed by its one parser in :mod:`m
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -321,8 +322,6 @@ def of(vllm_config: Any, env: Mapping[str, str] | None = None) -> Deployment:
     section = additional_config.section(vllm_config)
     if section is not None:
         return from_json(section)
-    import os
-
     from vllm.platforms import current_platform
 
     env = os.environ if env is None else env

@@ -122,7 +122,8 @@ class Qwen4ExpModel(nn.Module):
             config.hc_count, config.hidden_size, config.hc_lowrank, config.rms_norm_eps, with_injection=False
         )
         self.ple_prefetch = PLEPrefetcher(self.layers)
-        self.fault_check = fault_injector()  # None unless a resilience test asks for it
+        # None unless a resilience test asks for it
+        self.fault_check = fault_injector(resolve.of(vllm_config).fault_tokens)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -23,6 +23,7 @@ sampling of one step) are handled; scheduler or output-processing errors still e
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from contextlib import contextmanager
 
 from model.runtime import envs
@@ -152,20 +153,19 @@ def install() -> None:
     EngineCore.step_with_batch_queue = _guarded(EngineCore.step_with_batch_queue)
 
 
-def fault_injector():
-    """Fault injection for the resilience tests, read once at model construction.
+def fault_injector(tokens: Iterable[tuple[int, bool]]):
+    """Fault injection for the resilience tests, set up once at model construction from the
+    deployment's ``(token id, fatal)`` pairs.
 
     ``QWEN4EXP_FAULT_INJECT_TOKEN=<id>``: a model step whose input contains that token id raises,
     as a bug in a layer would (recoverable). ``QWEN4EXP_FAULT_INJECT_FATAL_TOKEN=<id>``: such a
-    step raises a simulated CUDA error (unrecoverable). Unset (always, in deployments) this
+    step raises a simulated CUDA error (unrecoverable). Without them (always, in deployments) this
     returns None and costs nothing.
     """
-    faults = {}
-    for env, fatal in ((envs.FAULT_INJECT_TOKEN, False), (envs.FAULT_INJECT_FATAL_TOKEN, True)):
-        token_id = envs.read(env)
-        if token_id is not None:
-            faults[token_id] = fatal
-            log.warning("%s=%s: steps containing this token fail on purpose (tests only)", env, token_id)
+    faults = dict(tokens)
+    for token_id, fatal in faults.items():
+        name = envs.FAULT_INJECT_FATAL_TOKEN if fatal else envs.FAULT_INJECT_TOKEN
+        log.warning("%s=%s: steps containing this token fail on purpose (tests only)", name, token_id)
     if not faults:
         return None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from model.runtime import envs
 from model.runtime.engine_guard import fault_injector
@@ -29,14 +30,22 @@ def test_every_flag_takes_the_same_spellings(name):
             envs.read(name, {name: bad})
 
 
-def test_fault_injection_token_is_parsed_by_envs(monkeypatch):
-    monkeypatch.setenv(envs.FAULT_INJECT_TOKEN, "seven")
-    with pytest.raises(envs.EnvError, match="QWEN4EXP_FAULT_INJECT_TOKEN='seven': must be a token id"):
-        fault_injector()
-    monkeypatch.setenv(envs.FAULT_INJECT_TOKEN, "7")
-    assert fault_injector() is not None
-    monkeypatch.delenv(envs.FAULT_INJECT_TOKEN)
-    assert fault_injector() is None
+def test_fault_injection_tokens_are_parsed_by_envs_into_the_deployment():
+    from model.deployment.resolve import DeploymentError, resolve
+
+    with pytest.raises(DeploymentError, match="QWEN4EXP_FAULT_INJECT_TOKEN='seven': must be a token id"):
+        resolve({envs.FAULT_INJECT_TOKEN: "seven"}, cpu_build=True)
+    tokens = resolve(
+        {envs.FAULT_INJECT_TOKEN: "7", envs.FAULT_INJECT_FATAL_TOKEN: "9"}, cpu_build=True
+    ).fault_tokens
+    assert tokens == ((7, False), (9, True))
+    check = fault_injector(tokens)
+    check(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="injected fault: token 7"):
+        check(torch.tensor([7]))
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        check(torch.tensor([9]))
+    assert fault_injector(resolve({}, cpu_build=True).fault_tokens) is None
 
 
 def test_collect_dir_problems(tmp_path: Path):

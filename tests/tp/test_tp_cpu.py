@@ -6,7 +6,8 @@ collectives); the service places the ranks itself (a core group and a share of t
 8 experts, PLE, one QSA layer: every sharded part is split in two):
 
 * teacher-forced log-probabilities of two ranks against transformers in float32, within the same
-  tolerance of transformers' own bf16 error as one rank, and the same greedy tokens as one rank;
+  tolerance of transformers' own bf16 error as one rank, through vLLM's engine and through the
+  service, and the same greedy tokens as one rank;
 * through the real service with the FP8 QSA cache and a sidecar: both ranks load the sidecar's
   scales, the clip counters summed over ranks equal one rank's on the same prompts, and each rank's
   PLE table bytes are on ``/metrics``;
@@ -125,6 +126,46 @@ def start_service(tmp: Path, name: str, tp: int, **env: str) -> tuple[subprocess
         stop(proc)
         raise
     return proc, url, log_path
+
+
+def http_token_logprobs(url: str, prompts: list[list[int]]) -> list[measure.Observed]:
+    """``measure.vllm_token_logprobs`` through the service's completions route (``prompt_logprobs``)."""
+    observed = []
+    for ids in prompts:
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 1},
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text
+        entries = r.json()["choices"][0]["prompt_logprobs"][1:]
+        lps, top1 = [], []
+        for pos, entry in enumerate(entries, start=1):
+            lps.append(entry[str(ids[pos])]["logprob"])
+            top1.append(next(int(t) for t, lp in entry.items() if lp["rank"] == 1))
+        observed.append(measure.Observed(torch.tensor(lps), torch.tensor(top1)))
+    return observed
+
+
+def test_the_service_on_two_ranks_is_as_close_to_float32_as_transformers_bf16(tmp_path):
+    """The product's path: ``python -m service`` with ``QWEN4EXP_TENSOR_PARALLEL_SIZE=2``, placing
+    its ranks itself, teacher-forced through the completions route."""
+    path = ensure_checkpoint("tiny")
+    prompts = measure.prompts_of_lengths(path, (4, 300))
+    ref32 = measure.transformers_token_logprobs(path, prompts, torch.float32)
+    yardstick = measure.fidelity(
+        ref32, measure.as_observed(measure.transformers_token_logprobs(path, prompts, torch.bfloat16))
+    )
+    proc, url, log_path = start_service(tmp_path, "bf16-tp2", 2)
+    try:
+        served = measure.fidelity(ref32, http_token_logprobs(url, prompts))
+    finally:
+        stop(proc)
+    print(
+        f"\ntiny through the service on two ranks: {served.as_row()}; transformers-bf16 {yardstick.as_row()}"
+    )
+    assert served.mean_abs <= measure.tolerance(yardstick), (served, yardstick)
+    assert "2 ranks on vLLM's CPU build: cores" in log_path.read_text(errors="replace")
 
 
 def samples(url: str, prefix: str) -> dict[tuple[str, tuple], float]:

@@ -30,7 +30,10 @@ Variants, one engine per variant and expert format, each in its own process:
   On sm_90 it selects a CuTe-DSL hyper-connection kernel that needs ``nvidia-cutlass-dsl`` and that
   an RTX 3090 never selects; ``--in-process`` runs every engine's core in its bench process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that upstream can be given the 3090's hyper-connection
-  path, as the served variant has under ``QWEN4EXP_FORCE_SM86``.
+  path, as the served variant has under ``QWEN4EXP_FORCE_SM86``;
+* ``served-upstream-hc``: the served path with upstream's own hyper-connection gate mix
+  (``QWEN4EXP_HC_REFERENCE_ROUNDING=0``) instead of ours, which rounds as transformers does: the
+  cost of that rounding.
 
 With ``--parallel`` every engine starts at once; each holds a lock file shared while it starts and
 exclusively while it times (``--timing-lock``), so no engine is timed while another still starts or
@@ -64,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("served", "upstream")
+VARIANTS = ("served", "served-upstream-hc", "upstream")
 EXPERT_FORMATS = ("bf16", "int4")
 PLUGIN_ENTRY_POINT = "qwen4exp"  # pyproject.toml, [project.entry-points."vllm.general_plugins"]
 H200_HBM_GBPS = 4800.0  # NVIDIA H200: 4.8 TB/s HBM3e
@@ -79,8 +82,12 @@ VARIANT_ENV: dict[str, dict[str, str]] = {
     },
     "upstream": {"VLLM_PLUGINS": "", "VLLM_USE_V2_MODEL_RUNNER": "1"},
 }
+# The served path with upstream's own hyper-connection gate mix instead of ours (which rounds as
+# transformers does): what the reference rounding costs, side by side.
+VARIANT_ENV["served-upstream-hc"] = {**VARIANT_ENV["served"], "QWEN4EXP_HC_REFERENCE_ROUNDING": "0"}
 VARIANT_UNSET: dict[str, tuple[str, ...]] = {
     "served": ("VLLM_PLUGINS",),
+    "served-upstream-hc": ("VLLM_PLUGINS",),
     "upstream": ("QWEN4EXP_CUDA_MODEL", "QWEN4EXP_FORCE_SM86"),
 }
 # ``--cpu`` (a check of this script on vLLM's CPU build, not a measurement): ours serves there.
@@ -161,7 +168,7 @@ def child_env(variant: str, cpu: bool) -> tuple[dict[str, str], list[str]]:
     unset = list(VARIANT_UNSET[variant])
     if cpu:
         env.update(CPU_ENV)
-        if variant == "served":
+        if variant.startswith("served"):
             env.pop("QWEN4EXP_FORCE_SM86", None)
             unset.append("QWEN4EXP_FORCE_SM86")
     return env, unset
@@ -350,18 +357,26 @@ def render(report: dict[str, Any]) -> str:
         ]
         lines.append(head + " | ".join(cells) + " |")
     for experts in report["experts"]:
-        s, u = by_key.get(("served", experts)), by_key.get(("upstream", experts))
-        if not (s and u and s.get("ok") and u.get("ok")):
-            continue
-        cells = [_ratio(s["tps"][b], u["tps"][b]) for b in batches]
-        cells += [_ratio(s["ttft_ms"][n], u["ttft_ms"][n]) for n in ttfts]
-        cells += [
-            _ratio(s.get("step_ms"), u.get("step_ms")),
-            "",
-            _ratio(s.get("hbm_fraction"), u.get("hbm_fraction")),
-        ]
-        lines.append(f"| served / upstream | {experts} | " + " | ".join(cells) + " |")
+        for base in ("upstream", "served-upstream-hc"):
+            served, other = by_key.get(("served", experts)), by_key.get((base, experts))
+            lines += ratio_row(served, other, base, experts, batches, ttfts)
     return "\n".join(lines)
+
+
+def ratio_row(
+    served: dict | None, base: dict | None, base_name: str, experts: str, batches: list[str], ttfts: list[str]
+) -> list[str]:
+    """The served variant's numbers over ``base``'s, one table row (none where either failed)."""
+    if not (served and base and served.get("ok") and base.get("ok")):
+        return []
+    cells = [_ratio(served["tps"][b], base["tps"][b]) for b in batches]
+    cells += [_ratio(served["ttft_ms"][n], base["ttft_ms"][n]) for n in ttfts]
+    cells += [
+        _ratio(served.get("step_ms"), base.get("step_ms")),
+        "",
+        _ratio(served.get("hbm_fraction"), base.get("hbm_fraction")),
+    ]
+    return [f"| served / {base_name} | {experts} | " + " | ".join(cells) + " |"]
 
 
 def gpu_name() -> str:

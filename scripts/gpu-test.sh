@@ -6,14 +6,14 @@
 #
 # Usage: bash scripts/gpu-test.sh [--logs DIR] [--streams "NAME ..."] [--bench] [-k EXPR]
 #   streams (default: all): kernels parity service service_upstream upstream upstream_quant
-#     marlin prefix fidelity preemption real_shape; and, asked for alone on a multi-GPU host
+#     marlin prefix fidelity preemption real_shape speculative; and, asked for alone on a multi-GPU host
 #     (it uses every GPU): tp (tensor parallelism 2 and 4 against one GPU and float32)
 #   --bench   after the judges, the GPU benchmarks (timing only) into DIR/bench-*.log
 #   -k EXPR   passed to every stream's pytest
 # Environment: EXTRA_PYTHONPATH (e.g. a --target install of the CUDA stack), GPU_TEST_KV_CACHE_BYTES.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-logs=gpu-test-logs streams="kernels parity service service_upstream upstream upstream_quant marlin prefix fidelity preemption real_shape"
+logs=gpu-test-logs streams="kernels parity service service_upstream upstream upstream_quant marlin prefix fidelity preemption real_shape speculative"
 bench=0 kexpr=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -52,6 +52,7 @@ want prefix && stream prefix tests/gpu/test_prefix_cache_cuda.py &
 want fidelity && stream fidelity tests/gpu/test_fidelity_cuda.py &
 want preemption && stream preemption tests/gpu/test_preemption_cuda.py &
 want real_shape && stream real_shape tests/gpu/test_real_shape_cuda.py &
+want speculative && stream speculative tests/gpu/test_speculative_cuda.py &
 want tp && stream tp tests/gpu/test_tp_cuda.py &
 wait
 if [ "$bench" = 1 ]; then

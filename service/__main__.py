@@ -35,9 +35,9 @@ def main() -> int:
             sys.stderr.write(f"service: warning: {name} is not a setting of this service (typo?); ignored\n")
         # vLLM sizes its request models' stop lists when they are imported: before vLLM is.
         from service.child_environment import export
-        from service.request_caps import vllm_limits
+        from service.request_caps import vllm_environment
 
-        export(vllm_limits(settings))
+        export(vllm_environment(settings))
 
         from service.listen import bind
 

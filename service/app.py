@@ -145,8 +145,10 @@ def build_app(
         probe.engine = app.state.engine_client
         if not await probe.check():
             http_metrics.SERVICE_READY.set(0)
+            # The probe's exception is logged, not answered: /ready is open to anyone who reaches the
+            # port, and an engine's exception text can carry paths, shapes and internal state.
             return _unavailable(
-                f"Not ready: the probe generation failed ({probe.last_error}).",
+                "Not ready: the probe generation failed (the reason is in the service's log).",
                 "probe_failed",
                 settings.retry_after_seconds,
             )

@@ -26,7 +26,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from model.deployment import implementation
+from model.deployment import implementation, speculative
 from model.deployment.resolve import (
     CPU_THREADS_BIND,
     FP8_MARLIN,
@@ -116,6 +116,7 @@ OWNED_PARAMS = {
     "max_model_len": "QWEN4EXP_MAX_MODEL_LEN",
     "max_num_seqs": "QWEN4EXP_MAX_NUM_SEQS",
     "kv_cache_memory_bytes": "QWEN4EXP_KV_CACHE_MEMORY_BYTES",
+    "speculative_config": "QWEN4EXP_SPECULATIVE",
     "chat_template": "QWEN4EXP_CHAT_TEMPLATE",
     "enforce_eager": "QWEN4EXP_ENFORCE_EAGER",
     "additional_config": "the model's variables (the service writes vLLM's additional_config)",
@@ -210,6 +211,12 @@ def resolve_deployment(settings: ServiceSettings, device: str) -> Deployment:
         cpus=tuple(sorted(os.sched_getaffinity(0))),
         memory_available=memory_available(),
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        has_mtp_weights=speculative.mtp_tensors_present(settings.model) if device == "cuda" else None,
+    )
+    log.log(
+        logging.WARNING if deployment.speculative_declined else logging.INFO,
+        "%s",
+        deployment.speculative_note,
     )
     if deployment.cpu_threads_bind is not None or deployment.cpu_kv_cache_bytes is not None:
         log.info(
@@ -272,6 +279,7 @@ VLLM_PARAMS = {
     "max_logprobs": "QWEN4EXP_MAX_LOGPROBS",
     "tool_call_parser": "QWEN4EXP_TOOL_CALL_PARSER",
     "reasoning_parser": "QWEN4EXP_REASONING_PARSER",
+    "speculative_config": "QWEN4EXP_SPECULATIVE",
 }
 
 

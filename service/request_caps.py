@@ -249,14 +249,16 @@ async def send_400(send: Send, field: str, message: str) -> None:
     await send({"type": "http.response.body", "body": payload, "more_body": False})
 
 
-def vllm_limits(settings: ServiceSettings) -> dict[str, str]:
-    """vLLM's own limits for the same fields, set to ours, for :mod:`service.child_environment`.
+def vllm_environment(settings: ServiceSettings) -> dict[str, str]:
+    """vLLM's own variables that follow our settings, for :mod:`service.child_environment`.
 
     vLLM sizes its request models' ``stop`` lists from ``VLLM_MAX_STOP_STRINGS`` (default 4) when
     they are imported, and checks ``n`` against ``VLLM_MAX_N_SEQUENCES``; left at their defaults the
-    first would refuse what ``QWEN4EXP_MAX_STOP_SEQUENCES`` allows, in vLLM's words. Exported before
-    vLLM is imported."""
+    first would refuse what ``QWEN4EXP_MAX_STOP_SEQUENCES`` allows, in vLLM's words. The Responses
+    API keeps answers for ``GET /v1/responses/{id}`` only under ``VLLM_ENABLE_RESPONSES_API_STORE``
+    (``QWEN4EXP_RESPONSES_STORE``). Exported before vLLM is imported."""
     return {
         "VLLM_MAX_STOP_STRINGS": str(settings.max_stop_sequences),
         "VLLM_MAX_N_SEQUENCES": str(settings.max_n),
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1" if settings.responses_store else "0",
     }

@@ -117,6 +117,10 @@ async def serve(settings: ServiceSettings, sock: socket.socket) -> int:
         access_log=settings.log_level == "debug",
         lifespan="off",
         timeout_graceful_shutdown=2,  # after our own drain, streams still open are cut
+        # h11 bounds the request line and headers it buffers (uvicorn's httptools parser does not:
+        # one connection could grow the server by whatever headers it sends).
+        http="h11",
+        h11_max_incomplete_event_size=settings.max_header_bytes,
     )
     server = NoSignalServer(config)  # signals are ours (below), not uvicorn's
     app.state.server = server  # vLLM's engine-error handler stops it through this

@@ -43,6 +43,7 @@ FIXES: dict[str, str] = {
     "prefix_caching": "use true or false",
     "host": "use an address to bind, e.g. 0.0.0.0 or 127.0.0.1",
     "port": "use an integer port in 1..65535",
+    "auth": "use on or off (true/false)",
     "api_keys": "use a comma-separated list of keys without whitespace",
     "api_keys_file": "mount a readable file with one key per line",
     "metrics_open": "use true or false",
@@ -50,6 +51,7 @@ FIXES: dict[str, str] = {
     "max_queued_requests": "use an integer >= 0",
     "retry_after_seconds": "use a positive integer number of seconds",
     "max_body_bytes": "use an integer >= 1024",
+    "max_header_bytes": "use an integer >= 4096",
     "drain_seconds": "use a number of seconds >= 0",
     "ready_max_age_seconds": "use a positive number of seconds",
     "ready_timeout_seconds": "use a positive number of seconds",
@@ -59,6 +61,7 @@ FIXES: dict[str, str] = {
     "tool_call_parser": "use auto, none or a vLLM tool-call parser name (e.g. hermes, qwen3_coder, qwen3_xml)",
     "reasoning_parser": "use auto, none or a vLLM reasoning parser name (e.g. qwen3)",
     "max_logprobs": "use an integer >= 0",
+    "responses_store": "use true or false",
     "engine_args": "use vLLM flags, shell-quoted, that the service does not set itself",
     "max_n": "use a positive integer",
     "max_prompts_per_request": "use a positive integer",
@@ -124,9 +127,16 @@ class ServiceSettings(BaseSettings):
         "0.0.0.0", min_length=1, description="Address to listen on (`scripts/serve.sh` uses 127.0.0.1)."
     )
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
+    auth: bool = Field(
+        True,
+        description="Require a bearer key on the API. On (the default), start-up fails unless "
+        "`QWEN4EXP_API_KEYS` or `QWEN4EXP_API_KEYS_FILE` holds a key (an empty value counts as unset). "
+        "`off` serves without keys (warned at start-up): only on loopback or a network you trust; "
+        "`scripts/serve.sh` sets it for the local quick start.",
+    )
     api_keys: str | None = Field(
         None,
-        description="Comma-separated bearer keys. Neither this nor the file set: auth is off (warned).",
+        description="Comma-separated bearer keys (or the file below; both may be set).",
     )
     api_keys_file: Path | None = Field(
         None,
@@ -145,6 +155,13 @@ class ServiceSettings(BaseSettings):
     )
     retry_after_seconds: int = Field(1, ge=1, description="`Retry-After` sent with 429 and 503.")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest request body; larger: 413.")
+    max_header_bytes: int = Field(
+        64 * 1024,
+        ge=4096,
+        description="Largest request line and headers together; larger: 400 and the connection closed. "
+        "Bounds what one connection can make the server hold before a request starts (the HTTP parser "
+        "is h11 for this; slow senders are the TLS proxy's to cut, see docs/deployment.md).",
+    )
     drain_seconds: float = Field(
         30.0, ge=0, description="After SIGTERM, how long in-flight requests may run before exit (0)."
     )
@@ -183,6 +200,12 @@ class ServiceSettings(BaseSettings):
         "`content`, or any parser name vLLM lists.",
     )
     max_logprobs: int = Field(20, ge=0, description="Most `logprobs`/`top_logprobs` a request may ask for.")
+    responses_store: bool = Field(
+        False,
+        description="Keep Responses API answers so that `GET /v1/responses/{id}`, cancel and `background` "
+        "requests work. vLLM keeps every stored response in the service's memory until it stops (no "
+        "eviction): leave off on a long-running shared server, where a retrieve then answers 404.",
+    )
     engine_args: str | None = Field(
         None,
         description="Extra vLLM engine flags, shell-quoted, e.g. `--max-num-batched-tokens 4096 "
@@ -352,6 +375,7 @@ def load() -> tuple[ServiceSettings, SimpleNamespace]:
     model_env, model_problems = envs.validate()
     problems += model_problems
     if service is not None:
+        problems += _auth_problems(service)
         try:
             if service.auth_configured and not service.keys():
                 # Fail closed: an empty secret (a failed mount, a truncated write) must not open the API.
@@ -363,15 +387,37 @@ def load() -> tuple[ServiceSettings, SimpleNamespace]:
                 problems.append(
                     f"{' and '.join(sources)}: no API key (an empty file or only comments); auth is "
                     "configured, so it does not turn itself off; fix: write one key per line (bash "
-                    f"deploy/init-secrets.sh), or unset {PREFIX}API_KEYS_FILE and {PREFIX}API_KEYS to run "
-                    "without auth"
+                    f"deploy/init-secrets.sh), or unset {PREFIX}API_KEYS_FILE and {PREFIX}API_KEYS and set "
+                    f"{PREFIX}AUTH=off to run without auth"
                 )
         except OSError as exc:
             problems.append(f"{PREFIX}API_KEYS_FILE: cannot read it ({exc}); fix: {FIXES['api_keys_file']}")
+        except UnicodeDecodeError as exc:
+            problems.append(
+                f"{PREFIX}API_KEYS_FILE={str(service.api_keys_file)!r}: not UTF-8 text ({exc.reason} at byte "
+                f"{exc.start}); fix: write the keys as plain text, one per line"
+            )
     if problems:
         raise SettingsError("\n".join(problems))
     assert service is not None
     return service, model_env
+
+
+def _auth_problems(service: ServiceSettings) -> list[str]:
+    """Auth is on unless switched off by name: a deployment that forgot its keys (or mounted an
+    empty variable) must not open the API on every interface."""
+    if service.auth and not service.auth_configured:
+        return [
+            f"{PREFIX}API_KEYS and {PREFIX}API_KEYS_FILE are unset or empty, and {PREFIX}AUTH is on: "
+            f"no API key to check; fix: set one of them (bash deploy/init-secrets.sh writes a keys file), "
+            f"or set {PREFIX}AUTH=off to serve without keys on a network you trust"
+        ]
+    if not service.auth and service.auth_configured:
+        return [
+            f"{PREFIX}AUTH=off, but API keys are configured ({PREFIX}API_KEYS / {PREFIX}API_KEYS_FILE); "
+            f"fix: unset {PREFIX}AUTH to check the keys, or unset the keys to serve without them"
+        ]
+    return []
 
 
 def markdown_table() -> str:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from model.deployment import implementation
+from model.deployment import implementation, speculative
 from model.qsa_kv.settings import QSAKVSettings
 from model.runtime import additional_config, envs
 
@@ -75,6 +75,9 @@ class Deployment:
     tensor_parallel_size: int = 1  # QWEN4EXP_TENSOR_PARALLEL_SIZE
     cpu_threads_bind: str | None = None  # vLLM's CPU build, several ranks: the cores of each rank
     cpu_kv_cache_bytes: int | None = None  # vLLM's CPU build, several ranks: each rank's KV cache
+    speculative: speculative.Speculative | None = None  # QWEN4EXP_SPECULATIVE and its companions
+    speculative_note: str = ""  # why speculation runs as it does (or not), for the start-up log
+    speculative_declined: bool = False  # a method asked for by name is not served (our implementation)
 
     @property
     def upstream(self) -> bool:
@@ -111,6 +114,8 @@ class Deployment:
             argv += ["--engram-config", json.dumps({"cpu_offload": False})]
         if self.cpu_kv_cache_bytes is not None:
             argv += ["--kv-cache-memory-bytes", str(self.cpu_kv_cache_bytes)]
+        if self.speculative is not None:
+            argv += ["--speculative-config", json.dumps(self.speculative.vllm_config(), sort_keys=True)]
         return argv
 
     def child_environment(self) -> dict[str, str]:
@@ -147,6 +152,8 @@ def from_json(data: Mapping[str, Any]) -> Deployment:
     fields["qsa_kv"] = QSAKVSettings(**kv)
     fields["implementation_reasons"] = tuple(data.get("implementation_reasons", ()))
     fields["fault_tokens"] = tuple((int(t), bool(f)) for t, f in data.get("fault_tokens", ()))
+    if fields.get("speculative") is not None:
+        fields["speculative"] = speculative.Speculative(**fields["speculative"])
     return Deployment(**fields)
 
 
@@ -168,6 +175,7 @@ def resolve(
     cpus: tuple[int, ...] = (),
     memory_available: int | None = None,
     kv_cache_memory_bytes: int | None = None,
+    has_mtp_weights: bool | None = None,
 ) -> Deployment:
     """The deployment for these facts; :class:`DeploymentError` lists every malformed variable.
 
@@ -177,7 +185,8 @@ def resolve(
     ``gpu``: the GPU's facts (None on the CPU build or when unknown); ``cpus``, ``memory_available``
     (bytes) and ``kv_cache_memory_bytes`` (the operator's size, None: unset) place several ranks on
     vLLM's CPU build, which otherwise asks for one NUMA node per rank and sizes each rank's KV cache
-    from the whole machine's memory."""
+    from the whole machine's memory; ``has_mtp_weights``: the checkpoint's tensors include ``mtp.*``
+    (None: unknown here)."""
     problems: list[str] = []
 
     def read(name: str) -> Any:
@@ -212,12 +221,19 @@ def resolve(
         threads_bind, kv_bytes = _cpu_ranks(
             env, tensor_parallel_size, cpus, memory_available, kv_cache_memory_bytes, problems
         )
+    speculative_request = (read(envs.SPECULATIVE), read(envs.SPECULATIVE_TOKENS), read(envs.NGRAM_WINDOW))
     if problems:
         raise DeploymentError("\n".join(problems))
 
     impl, reasons = _choose(requested, config, env, cuda=cuda, gpu=gpu, kv_cache_dtype=kv_cache_dtype,
                             indexer_kv_dtype=indexer_kv_dtype, v2_runner=operator_v2)  # fmt: skip
     has_cute_dsl = True if gpu is None else gpu.has_cute_dsl
+    try:
+        drafting, drafting_note = speculative.choose(
+            *speculative_request, implementation=impl, config=config, has_mtp_weights=has_mtp_weights
+        )
+    except speculative.SpeculativeError as exc:
+        raise DeploymentError(str(exc)) from None
     return Deployment(
         device=device,
         requested_implementation=requested,
@@ -239,6 +255,9 @@ def resolve(
         tensor_parallel_size=tensor_parallel_size,
         cpu_threads_bind=threads_bind,
         cpu_kv_cache_bytes=kv_bytes,
+        speculative=drafting,
+        speculative_note=drafting_note,
+        speculative_declined=speculative.declined(speculative_request[0], drafting),
     )
 
 
@@ -318,7 +337,11 @@ def _choose(
 def of(vllm_config: Any, env: Mapping[str, str] | None = None) -> Deployment:
     """The deployment a vLLM process runs: the service's, from ``additional_config``; else (vLLM
     started without the service) resolved here from the environment and ``vllm_config``, with the
-    implementation this process registered."""
+    implementation this process registered, and written into ``additional_config``: later readers
+    in this process then see the same deployment, and vLLM's compile-cache key (which hashes
+    ``additional_config`` when the model is first compiled, after it is built, and no ``QWEN4EXP_*``
+    variable) changes with it. Without that, two runs that differ only in a variable that changes
+    the traced graph (``QWEN4EXP_HC_REFERENCE_ROUNDING``) would share compiled code."""
     section = additional_config.section(vllm_config)
     if section is not None:
         return from_json(section)
@@ -333,4 +356,7 @@ def of(vllm_config: Any, env: Mapping[str, str] | None = None) -> Deployment:
         config=None,
     )
     registered = implementation.registered(deployment.requested_implementation, cpu_build=cpu_build)
-    return replace(deployment, implementation=registered)
+    deployment = replace(deployment, implementation=registered)
+    if isinstance(getattr(vllm_config, "additional_config", None), dict):
+        vllm_config.additional_config[additional_config.KEY] = _to_json(deployment)
+    return deployment

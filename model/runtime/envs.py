@@ -101,6 +101,38 @@ parse_cuda_model = choice_parser(
 )
 
 
+SPECULATIVE_CHOICES = ("auto", "off", "ngram", "mtp")
+parse_speculative = choice_parser(
+    SPECULATIVE_CHOICES,
+    "use auto (MTP where the checkpoint has MTP layers, else off), off, ngram or mtp, or leave it unset",
+)
+MAX_SPECULATIVE_TOKENS = 8
+
+
+def parse_draft_tokens(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_SPECULATIVE_TOKENS:
+        raise EnvError(
+            f"{name}={raw!r}: must be a whole number of draft tokens from 1 to {MAX_SPECULATIVE_TOKENS}"
+        )
+    return value
+
+
+def parse_ngram_window(name: str, raw: str) -> tuple[int, int]:
+    """``MIN-MAX``: the shortest and longest n-gram a prompt-lookup draft matches (1 <= MIN <= MAX <= 16)."""
+    lo, sep, hi = raw.strip().partition("-")
+    try:
+        window = (int(lo), int(hi)) if sep else (0, 0)
+    except ValueError:
+        window = (0, 0)
+    if not 1 <= window[0] <= window[1] <= 16:
+        raise EnvError(f"{name}={raw!r}: must be MIN-MAX with 1 <= MIN <= MAX <= 16, e.g. 2-4")
+    return window
+
+
 def parse_path(name: str, raw: str) -> Path:
     return Path(raw.strip())
 
@@ -162,6 +194,9 @@ CUDA_MODEL = "QWEN4EXP_CUDA_MODEL"
 GDN_SHORT_PREFILL = "QWEN4EXP_GDN_SHORT_PREFILL"
 HC_REFERENCE_ROUNDING = "QWEN4EXP_HC_REFERENCE_ROUNDING"
 SEPARATE_INDEXER_PROJECTION = "QWEN4EXP_SEPARATE_INDEXER_PROJECTION"
+SPECULATIVE = "QWEN4EXP_SPECULATIVE"
+SPECULATIVE_TOKENS = "QWEN4EXP_SPECULATIVE_TOKENS"
+NGRAM_WINDOW = "QWEN4EXP_NGRAM_WINDOW"
 FORCE_SM86 = "QWEN4EXP_FORCE_SM86"
 
 DEFAULT_COLLECT_INTERVAL_S = 30.0
@@ -301,6 +336,38 @@ VARIABLES: tuple[EnvVar, ...] = (
         "quantized checkpoint with its bf16 twin on the same layer structure (the GPU twin tests); "
         "the same weights, another GEMM split, so bf16 rounding may differ.",
         "use 1 or 0 (true/false, yes/no, on/off), or unset it (0)",
+    ),
+    EnvVar(
+        SPECULATIVE,
+        parse_speculative,
+        "auto",
+        "`auto`",
+        "Speculative decoding with vLLM's own machinery. `mtp`: the checkpoint's multi-token-prediction "
+        "layers draft (start-up fails naming the fix where config.json has no `mtp_num_hidden_layers` "
+        "or the weights no `mtp.*` tensors); `ngram`: prompt lookup drafts from text already in the "
+        "sequence, for any checkpoint, useful where answers copy their prompt; `off`. `auto`: `mtp` "
+        "where the checkpoint has MTP layers, else off. Served by upstream on CUDA; our "
+        "implementation (vLLM's CPU build, `QWEN4EXP_CUDA_MODEL=ours`) cannot roll its PLE state back "
+        "over rejected drafts, so there the service logs why and serves without it.",
+        "use auto, off, ngram or mtp, or unset it (auto)",
+    ),
+    EnvVar(
+        SPECULATIVE_TOKENS,
+        parse_draft_tokens,
+        3,
+        "`3`",
+        "Draft tokens proposed per step when speculating (1 to 8): each verify step costs about one "
+        "decode step and gains the accepted drafts.",
+        f"use a whole number from 1 to {MAX_SPECULATIVE_TOKENS}, or unset it (3)",
+    ),
+    EnvVar(
+        NGRAM_WINDOW,
+        parse_ngram_window,
+        (2, 4),
+        "`2-4`",
+        "With `QWEN4EXP_SPECULATIVE=ngram`: the shortest and longest n-gram (`MIN-MAX`) matched against "
+        "earlier text to draft the continuation (vLLM's `prompt_lookup_min`/`prompt_lookup_max`).",
+        "use MIN-MAX with 1 <= MIN <= MAX <= 16 (e.g. 2-4), or unset it (2-4)",
     ),
     EnvVar(
         FORCE_SM86,

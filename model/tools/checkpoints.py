@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -306,8 +307,9 @@ def add(a, b): return a + b. for i in range(10): print(i). import torch; x = tor
 """
 
 
-def build_tokenizer(vocab_size: int, out: Path) -> dict[str, int]:
-    """Train a byte-level BPE on the built-in corpus and save it with the chat template."""
+def build_tokenizer(vocab_size: int, out: Path, corpus: str = "") -> dict[str, int]:
+    """Train a byte-level BPE on the built-in corpus (and ``corpus``, text a checkpoint must
+    encode in few tokens) and save it with the chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -320,7 +322,7 @@ def build_tokenizer(vocab_size: int, out: Path) -> dict[str, int]:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    tok.train_from_iterator([CORPUS] * 4 + [corpus] * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -355,36 +357,50 @@ def _dense_indexer_forward(self, hidden_states, position_embeddings, attention_m
     return attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
 
 
-def train_briefly(model, tokenizer, steps: int, seq_len: int, seed: int) -> list[float]:
-    """A few hundred Adam steps on the built-in corpus, so greedy decoding is decisive.
-
-    Random weights give nearly flat next-token distributions, where bf16 rounding alone flips the
-    argmax and a token-for-token comparison says nothing. Training uses windows no longer than the
-    QSA budget, where the reference indexer selects every visible token, so its per-query Python
-    loop can be replaced by the equivalent dense mask without changing the model.
-    """
+def adam_steps(model, batch: Callable[[], dict], steps: int, stop_below: float = 0.0) -> list[float]:
+    """Up to ``steps`` AdamW steps (lr 3e-3) on ``batch()``'s model inputs, the losses; stops once a
+    loss is below ``stop_below``. The reference indexer runs as its dense equivalent
+    (:func:`_dense_indexer_forward`): callers keep every sequence within the QSA budget, where the
+    indexer selects every visible token, so the model is unchanged and its per-query Python loop
+    does not dominate a CPU training step."""
     from transformers.models.qwen4_exp import modeling_qwen4_exp as reference
 
-    ids = torch.tensor(tokenizer(CORPUS * 4)["input_ids"])
-    gen = torch.Generator().manual_seed(seed)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     original = reference.Qwen4ExpTextQSAIndexer.forward
     reference.Qwen4ExpTextQSAIndexer.forward = _dense_indexer_forward
-    losses = []
+    losses: list[float] = []
     try:
         model.train()
         for _ in range(steps):
-            starts = torch.randint(0, ids.numel() - seq_len - 1, (16,), generator=gen)
-            batch = torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = model(**batch()).loss
             optim.zero_grad()
             loss.backward()
             optim.step()
             losses.append(loss.item())
+            if losses[-1] < stop_below:
+                break
     finally:
         reference.Qwen4ExpTextQSAIndexer.forward = original
         model.eval()
     return losses
+
+
+def train_briefly(model, tokenizer, steps: int, seq_len: int, seed: int) -> list[float]:
+    """A few hundred Adam steps on the built-in corpus, so greedy decoding is decisive.
+
+    Random weights give nearly flat next-token distributions, where bf16 rounding alone flips the
+    argmax and a token-for-token comparison says nothing. Training windows are no longer than the
+    QSA budget (see :func:`adam_steps`).
+    """
+    ids = torch.tensor(tokenizer(CORPUS * 4)["input_ids"])
+    gen = torch.Generator().manual_seed(seed)
+
+    def windows() -> dict:
+        starts = torch.randint(0, ids.numel() - seq_len - 1, (16,), generator=gen)
+        batch = torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
+        return {"input_ids": batch, "labels": batch}
+
+    return adam_steps(model, windows, steps)
 
 
 # Training windows never exceed the QSA budget (see ``train_briefly``) nor this length: the corpus
@@ -393,12 +409,13 @@ def train_briefly(model, tokenizer, steps: int, seq_len: int, seed: int) -> list
 MAX_TRAIN_SEQ_LEN = 128
 
 
-def text_config(spec: dict, out: Path):
+def text_config(spec: dict, out: Path, corpus: str = ""):
     """The transformers config and generation config of a checkpoint of ``spec`` (preset fields)
-    in ``out``, whose tokenizer this writes there: the special tokens' ids come from it."""
+    in ``out``, whose tokenizer this writes there (trained with ``corpus`` too): the special
+    tokens' ids come from it."""
     from transformers import GenerationConfig, Qwen4ExpTextConfig
 
-    ids = build_tokenizer(spec["vocab_size"] - 12, out)
+    ids = build_tokenizer(spec["vocab_size"] - 12, out, corpus)
     eos, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
     config = Qwen4ExpTextConfig(
         **spec, eos_token_id=eos, pad_token_id=pad, bos_token_id=None, tie_word_embeddings=False

@@ -313,6 +313,8 @@ FIXED = {
     "QWEN4EXP_PORT",
     "QWEN4EXP_DEVICE",
     "QWEN4EXP_TENSOR_PARALLEL_SIZE",
+    # Auth stays on in compose: the keys file is mounted (the calibration container, on loopback, turns it off).
+    "QWEN4EXP_AUTH",
     # A secret in the environment: use the keys file (QWEN4EXP_API_KEYS_FILE_HOST).
     "QWEN4EXP_API_KEYS",
     # Fault injection, the engine-death marker and the 3090 emulation on newer GPUs are testing aids.

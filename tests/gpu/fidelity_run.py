@@ -351,7 +351,7 @@ def render(results: dict) -> str:
     lines = [
         "mean |delta| nats / p99 / top-1 agreement on decisive positions, vs transformers float32",
         "",
-        "| shape | prompt tokens | transformers bf16 | " + " | ".join(_runs(results)) + " |",
+        "| " + " | ".join(["shape", "prompt tokens", "transformers bf16", *_runs(results)]) + " |",
         "|---|---|---|" + "---|" * len(_runs(results)),
     ]
     for shape, entry in results["shapes"].items():
@@ -361,7 +361,32 @@ def render(results: dict) -> str:
                 r = entry["runs"].get(run, {})
                 cells.append(r["error"] if "error" in r else _cell(r.get(n) or r.get(str(n))))
             lines.append(f"| {shape} | {n} | " + " | ".join(cells) + " |")
+    for shape, entry in results["shapes"].items():
+        lines += render_diagnosis(shape, entry.get("diagnosis") or {})
     return "\n".join(lines) + "\n"
+
+
+def render_diagnosis(shape: str, diagnosis: dict[str, list[dict]]) -> list[str]:
+    """Each sublayer's relative error against float32, input -> output, for transformers-bf16 and
+    every diagnosed implementation side by side (one table per shape)."""
+    impls = [impl for impl, rows in diagnosis.items() if rows and "error" not in rows[0]]
+    if not impls:
+        return [f"\n{shape}: diagnosis failed: {rows[0]['error']}" for rows in diagnosis.values() if rows]
+    lines = [
+        "",
+        f"{shape}: per-sublayer relative error vs float32, input -> output",
+        "",
+        "| sublayer | transformers bf16 | " + " | ".join(impls) + " |",
+        "|---|---|" + "---|" * len(impls),
+    ]
+    by_impl = {impl: {row["sublayer"]: row for row in diagnosis[impl]} for impl in impls}
+    for name, first in by_impl[impls[0]].items():
+        cells = [f"{first['bf16_in']:.4f} -> {first['bf16_out']:.4f}"]
+        for impl in impls:
+            row = by_impl[impl].get(name)
+            cells.append(f"{row[f'{impl}_in']:.4f} -> {row[f'{impl}_out']:.4f}" if row else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _runs(results: dict) -> list[str]:

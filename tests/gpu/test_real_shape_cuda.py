@@ -78,7 +78,7 @@ def served(request, case, tmp_path_factory):
         request.param,
         path,
         CHOSEN_BY_SERVICE,
-        entry="service",
+        force_sm86=False,  # each start sets its own choices
         startup_timeout_s=900,
         **env,
     )

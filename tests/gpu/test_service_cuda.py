@@ -44,12 +44,16 @@ PROMPTS = {
 
 
 class Service:
-    """``python -m service`` (through the 3090-paths shim unless ``entry="service"``) on
-    ``checkpoint`` (a preset name or a checkpoint directory), ready to answer.
+    """``python -m service`` as shipped on ``checkpoint`` (a preset name or a checkpoint
+    directory), ready to answer.
 
     The test process's own ``QWEN4EXP_*``/``VLLM_QSA_*``/``VLLM_PLE_*`` settings are dropped, and so
     are ``drop``'s names (``VLLM_USE_V2_MODEL_RUNNER`` to let the service choose the runner);
-    ``env`` sets the service's."""
+    ``env`` sets the service's. ``force_sm86`` (the default) sets ``QWEN4EXP_FORCE_SM86=1``: every
+    choice an RTX 3090 takes, the Triton GDN prefill among them, made by the service's own
+    deployment. ``GPU_TEST_KV_CACHE_BYTES`` becomes ``QWEN4EXP_KV_CACHE_MEMORY_BYTES`` (unless ``env``
+    sets it): vLLM then skips its memory profiling, whose free-memory snapshots go wrong when other
+    test engines start or stop on the same GPU ("Error in memory profiling")."""
 
     def __init__(
         self,
@@ -57,7 +61,7 @@ class Service:
         name: str,
         checkpoint: str | Path = "tiny",
         drop: tuple[str, ...] = (),
-        entry: str = "tests.gpu.serve_3090_paths",
+        force_sm86: bool = True,
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
         **env: str,
     ) -> None:
@@ -83,11 +87,16 @@ class Service:
             QWEN4EXP_METRICS_OPEN="true",
             QWEN4EXP_MAX_MODEL_LEN="2048",
             QWEN4EXP_GPU_MEMORY_UTILIZATION="0.3",
+            QWEN4EXP_AUTH="off",  # loopback only
         )
+        if force_sm86:
+            full["QWEN4EXP_FORCE_SM86"] = "1"
+        if kv_bytes := os.environ.get("GPU_TEST_KV_CACHE_BYTES"):
+            full["QWEN4EXP_KV_CACHE_MEMORY_BYTES"] = kv_bytes
         full.update(env)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", entry],
+                [sys.executable, "-m", "service"],
                 cwd=ROOT,
                 env=full,
                 stdout=log,

@@ -86,6 +86,7 @@ def test_small_scales_make_clip_counters_rise_on_metrics(tmp_path):
         QWEN4EXP_PORT=str(port),
         QWEN4EXP_KV_CACHE_DTYPE="fp8",
         QWEN4EXP_METRICS_OPEN="true",
+        QWEN4EXP_AUTH="off",  # loopback only
         QWEN4EXP_MAX_MODEL_LEN="512",
         VLLM_QSA_KV_SCALES=str(sidecar),
         VLLM_QSA_KV_CLIP_COUNT="0.3",

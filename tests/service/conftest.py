@@ -41,6 +41,8 @@ def service_env(**overrides: str) -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
     env.update(overrides)
+    if not any(env.get(k, "").strip() for k in ("QWEN4EXP_API_KEYS", "QWEN4EXP_API_KEYS_FILE")):
+        env.setdefault("QWEN4EXP_AUTH", "off")  # loopback tests without keys say so, as a user must
     return env
 
 
@@ -133,17 +135,20 @@ def _observe(client: httpx.Client, url: str, path: str, seen: dict) -> None:
 
 
 def start_server(tmp: Path, name: str, **env: str) -> Server:
-    """Start the service and wait until ``/ready`` is 200, recording the start-up answers."""
+    """Start the service (``tiny`` unless ``QWEN4EXP_MODEL`` is given) and wait until ``/ready`` is
+    200, recording the start-up answers."""
     port = free_port()
     keys_file = write_api_keys(tmp, f"# mounted secret\n{FILE_KEY}\n", name=f"{name}-keys")
     log_path = tmp / f"{name}.log"
     full_env = service_env(
-        QWEN4EXP_MODEL=str(ensure_checkpoint("tiny")),
-        QWEN4EXP_HOST="127.0.0.1",
-        QWEN4EXP_PORT=str(port),
-        QWEN4EXP_API_KEYS=KEY,
-        QWEN4EXP_API_KEYS_FILE=str(keys_file),
-        **env,
+        **{
+            "QWEN4EXP_MODEL": env.get("QWEN4EXP_MODEL") or str(ensure_checkpoint("tiny")),
+            "QWEN4EXP_HOST": "127.0.0.1",
+            "QWEN4EXP_PORT": str(port),
+            "QWEN4EXP_API_KEYS": KEY,
+            "QWEN4EXP_API_KEYS_FILE": str(keys_file),
+            **env,
+        }
     )
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(

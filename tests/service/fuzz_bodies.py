@@ -137,6 +137,17 @@ def chat_bodies() -> st.SearchStrategy:
 FIVE_K_WORDS = " ".join(["word"] * 5000)
 USER = [{"role": "user", "content": "hi"}]
 
+
+def _schema_chat(schema: dict) -> dict:
+    """A short chat request whose answer must follow ``schema``."""
+    return {
+        "model": "tiny",
+        "messages": USER,
+        "max_tokens": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+
+
 EDGE_CASES: list[tuple[str, dict]] = [
     ("/v1/completions", {"model": "tiny", "prompt": [VOCAB + 10]}),
     ("/v1/completions", {"model": "tiny", "prompt": [2**40]}),
@@ -160,27 +171,8 @@ EDGE_CASES: list[tuple[str, dict]] = [
     ("/v1/chat/completions", {"model": "tiny", "messages": USER, "n": 10**6}),
     ("/v1/chat/completions", {"model": "tiny", "messages": USER, "top_logprobs": 10**6, "logprobs": True}),
     ("/v1/chat/completions", {"model": "tiny", "messages": USER, "max_completion_tokens": 10**12}),
-    (
-        "/v1/chat/completions",
-        {
-            "model": "tiny",
-            "messages": USER,
-            "max_tokens": 3,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}},
-        },
-    ),
-    (
-        "/v1/chat/completions",
-        {
-            "model": "tiny",
-            "messages": USER,
-            "max_tokens": 3,
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": "x", "schema": {"$ref": "#/no"}},
-            },
-        },
-    ),
+    ("/v1/chat/completions", _schema_chat({"type": 7})),
+    ("/v1/chat/completions", _schema_chat({"$ref": "#/no"})),
     (
         "/v1/chat/completions",
         {"model": "tiny", "messages": USER, "max_tokens": 3, "structured_outputs": {"regex": "(("}},
@@ -189,4 +181,38 @@ EDGE_CASES: list[tuple[str, dict]] = [
         "/v1/chat/completions",
         {"model": "tiny", "messages": USER, "max_tokens": 3, "logit_bias": {"99999": 100}},
     ),
+]
+
+
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+# Bodies built to hold the engine: long stop lists, deep schemas, many tools, wide logit_bias.
+HEAVY = [f"stop-{i}" for i in range(500)]
+EDGE_CASES += [
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stop": HEAVY}),
+    ("/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 3, "stop": HEAVY}),
+    ("/v1/chat/completions", _schema_chat(_nested_schema(400))),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": USER,
+            "max_tokens": 3,
+            "tools": [
+                {"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}}
+                for i in range(1000)
+            ],
+        },
+    ),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hi", "max_tokens": 3, "logit_bias": {str(i): 1 for i in range(5000)}},
+    ),
+    ("/v1/completions", {"model": "tiny", "prompt": ["hi"] * 5000, "max_tokens": 1}),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1, "n": 16384, "best_of": 16384}),
 ]

@@ -223,3 +223,30 @@ def test_upstream_cuda_model_is_refused_before_serving_with_every_reason(model_d
     assert "needs vLLM's CUDA build" in err
     assert "top-k of k = 4 blocks" in err
     assert "output_gate_type" not in err  # null is hidden_act, as transformers reads it
+
+
+@pytest.mark.parametrize("keys", [None, ""])
+def test_without_a_key_the_service_refuses_to_start_unless_auth_is_switched_off(model_dir, keys) -> None:
+    """Auth is on by default: no key (unset, or an empty variable as a failed secret mount leaves
+    it) stops start-up naming the way out, instead of opening the API on every interface."""
+    env = service_env(QWEN4EXP_MODEL=model_dir, QWEN4EXP_HOST="0.0.0.0")
+    env.pop("QWEN4EXP_AUTH")
+    if keys is not None:
+        env["QWEN4EXP_API_KEYS"] = keys
+    err = assert_config_error(run_service(env), "QWEN4EXP_API_KEYS")
+    assert "set QWEN4EXP_AUTH=off to serve without keys" in err
+
+
+def test_auth_off_with_keys_configured_is_a_contradiction(model_dir) -> None:
+    env = service_env(QWEN4EXP_MODEL=model_dir, QWEN4EXP_API_KEYS="k", QWEN4EXP_AUTH="off")
+    assert "fix: unset QWEN4EXP_AUTH" in assert_config_error(run_service(env), "QWEN4EXP_AUTH")
+
+
+def test_a_keys_file_that_is_not_text_stops_start_up_naming_it(model_dir, tmp_path: Path) -> None:
+    keys = tmp_path / "api-keys"
+    keys.write_bytes(b"good-key\n\xff\xfe-not-utf8\n")
+    err = assert_config_error(
+        run_service(service_env(QWEN4EXP_MODEL=model_dir, QWEN4EXP_API_KEYS_FILE=str(keys))),
+        "QWEN4EXP_API_KEYS_FILE",
+    )
+    assert f"QWEN4EXP_API_KEYS_FILE='{keys}': not UTF-8 text" in err

@@ -79,6 +79,7 @@ def test_extra_engine_flags_reach_vllms_parser(monkeypatch):
         ("--tool-call-parser hermes", "use QWEN4EXP_TOOL_CALL_PARSER"),
         ("--additional-config {}", "the service writes vLLM's additional_config"),
         ("--port 9000", "use QWEN4EXP_PORT"),
+        ("""--speculative-config '{"method": "ngram"}'""", "use QWEN4EXP_SPECULATIVE"),
         ("--max-num-batched-token 4096", "--max-num-batched-token is not a vLLM engine flag"),
         ("--chat-template 'unclosed", "No closing quotation"),
     ],

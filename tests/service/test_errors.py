@@ -145,6 +145,17 @@ def test_413_body_too_large(server: Server) -> None:
     assert error_of(r, 400)["code"] == "context_length_exceeded"
 
 
+def test_oversized_headers_are_refused_and_the_server_still_answers(server: Server) -> None:
+    """Headers beyond QWEN4EXP_MAX_HEADER_BYTES (64 KiB) are not buffered: 400, connection closed."""
+    with httpx.Client(timeout=30) as client:
+        try:
+            r = client.get(server.url + "/health", headers={"x-padding": "a" * (256 * 1024)})
+            assert r.status_code == 400, r.text
+        except httpx.TransportError:
+            pass  # closed (or reset) before an answer: also refused
+        assert client.get(server.url + "/health").status_code == 200
+
+
 def test_no_5xx_and_engine_idle_after_the_errors(server: Server, errors_before: dict) -> None:
     assert server.wait_engine_idle() == (0, 0)
     statuses = {s.labels["status"] for s in server.metrics()["qwen4exp_http_requests_total"]}

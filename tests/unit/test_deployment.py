@@ -117,6 +117,25 @@ def test_without_the_service_a_process_resolves_from_its_environment(monkeypatch
     vllm_config = SimpleNamespace(additional_config={}, cache_config=SimpleNamespace(cache_dtype="auto"))
     d = R.of(vllm_config)
     assert (d.device, d.implementation, d.ple_storage, d.qsa_selection) == ("cpu", "ours", "device", "loop")
+    # written back: later readers agree, and vLLM's config hash (its compile-cache key) sees it
+    assert json.loads(json.dumps(vllm_config.additional_config))["qwen4exp"]["ple_storage"] == "device"
+    monkeypatch.setenv(envs.PLE_CPU_OFFLOAD, "1")
+    assert R.of(vllm_config) == d
+
+
+def test_a_variable_that_changes_the_graph_changes_vllms_compile_cache_key(monkeypatch):
+    """vLLM's compile cache is keyed by the config's hash (additional_config included) and vLLM's
+    own variables only: the deployment resolved in the process must enter additional_config."""
+    from vllm.config import VllmConfig
+
+    hashes = []
+    for rounding in ("1", "0"):
+        monkeypatch.setenv(envs.HC_REFERENCE_ROUNDING, rounding)
+        vllm_config = VllmConfig()
+        vllm_config.cache_config.cache_dtype = "auto"
+        R.of(vllm_config)
+        hashes.append(vllm_config.compute_hash())
+    assert hashes[0] != hashes[1]
 
 
 def test_every_malformed_variable_is_reported_at_once():

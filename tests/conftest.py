@@ -35,14 +35,20 @@ def pythonpath_with(root: Path) -> str:
     return os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
 
 
-def ensure_checkpoint(preset: str) -> Path:
-    """The pinned copy of a preset if there is one, else ``checkpoints/<preset>``, generated if missing."""
-    if (PINNED / preset / "model.safetensors").exists():
+def ensure_checkpoint(preset: str, train_steps: int | None = None) -> Path:
+    """The pinned copy of a preset if there is one, else ``checkpoints/<preset>``, generated if missing.
+
+    ``train_steps`` asks for the preset trained that many steps instead of the generator's default:
+    ``checkpoints/<preset>-steps<n>``, generated once per machine like the default ones (training
+    is what makes a checkpoint slow to build). Pinned copies hold the default, so they are not used.
+    """
+    if train_steps is None and (PINNED / preset / "model.safetensors").exists():
         return PINNED / preset
-    path = CHECKPOINTS / preset
+    path = CHECKPOINTS / (preset if train_steps is None else f"{preset}-steps{train_steps}")
     if not (path / "model.safetensors").exists():
+        steps = [] if train_steps is None else ["--train-steps", str(train_steps)]
         subprocess.run(
-            [sys.executable, "-m", "model.tools.checkpoints", "--preset", preset, "--out", str(path)],
+            [sys.executable, "-m", "model.tools.checkpoints", "--preset", preset, "--out", str(path), *steps],
             check=True,
             cwd=ROOT,
         )

@@ -30,6 +30,8 @@ SERVICES = {
     "qwen4exp-a",  # the scale profile: two replicas and vllm-router
     "qwen4exp-b",
     "router",
+    "router-gate",  # TLS and the client-route allow-list in front of the router
+    "gate",  # the tls profile: the same in front of the single service
     "download",
     "convert",
     "calibrate",
@@ -251,14 +253,21 @@ def test_init_secrets_makes_files_the_service_user_can_read(tmp_path):
     work = tmp_path / "checkout"
     work.mkdir()
     assert _init_secrets(work, "not-a-url").returncode == 2
-    missing = _init_secrets(work)
-    assert missing.returncode == 2 and "webhook URL" in missing.stderr
+    # No webhook: alerting is optional, the stack starts and the message says how to send alerts.
+    unsent = _init_secrets(work)
+    assert unsent.returncode == 0 and "not sent anywhere" in unsent.stderr, unsent.stdout + unsent.stderr
+    secrets = work / "secrets"
+    assert (secrets / "alertmanager-webhook-url").read_text() == ""
     ok = _init_secrets(work, "https://hooks.example.invalid/services/T0/B0/x")
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    secrets = work / "secrets"
+    assert (secrets / "alertmanager-webhook-url").read_text().strip().endswith("/B0/x")
     assert secrets.stat().st_mode & 0o777 == 0o700
-    for name in ("api-keys", "alertmanager-webhook-url"):
+    for name in ("api-keys", "alertmanager-webhook-url", "tls.crt", "tls.key"):
         assert (secrets / name).stat().st_mode & 0o777 == 0o644, name
+    # The gate's self-signed pair: a certificate openssl reads, with this host in its names.
+    cert = run([tool("openssl"), "x509", "-in", str(secrets / "tls.crt"), "-noout", "-ext", "subjectAltName"])
+    assert cert.returncode == 0 and "localhost" in cert.stdout, cert.stdout + cert.stderr
+    pem = (secrets / "tls.crt").read_text()
     assert (secrets / "hf-token").stat().st_mode & 0o777 == 0o644 and (secrets / "hf-token").read_text() == ""
     dot_env = work / ".env"
     assert dot_env.stat().st_mode & 0o777 == 0o600
@@ -267,6 +276,7 @@ def test_init_secrets_makes_files_the_service_user_can_read(tmp_path):
     key = (secrets / "api-keys").read_text()
     assert len(key.strip()) >= 32 and _init_secrets(work).returncode == 0
     assert (secrets / "api-keys").read_text() == key, "an existing key must be kept"
+    assert (secrets / "tls.crt").read_text() == pem, "an existing certificate must be kept"
     assert f"GRAFANA_ADMIN_PASSWORD={password}\n" in dot_env.read_text(), "an existing password must be kept"
     # The old example's placeholder is replaced; compose accepts the generated .env as it is.
     dot_env.write_text(dot_env.read_text().replace(password, "change-me"))

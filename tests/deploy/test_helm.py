@@ -7,7 +7,9 @@ values are validated by Helm itself against the chart's ``values.schema.json``.
 
 Three cluster shapes are rendered: no Prometheus Operator CRDs (``helm template`` without
 ``--api-versions``, what ``helm install`` sees on such a cluster), the CRDs served (``CRDS``), and
-kube-prometheus-stack, whose Prometheus selects objects labelled ``release=<its release>``.
+kube-prometheus-stack, whose Prometheus selects objects labelled ``release=<its release>``. Three
+value sets are linted, rendered and validated: the defaults, router mode (``ROUTER``) and
+``values-all-options.yaml`` (every optional object at once).
 """
 
 from __future__ import annotations
@@ -37,6 +39,15 @@ CRDS = [
     "--api-versions", "monitoring.coreos.com/v1/PrometheusRule",
 ]  # fmt: skip
 MONITORING = {"ServiceMonitor", "PrometheusRule"}
+# Router mode: the router's NetworkPolicy needs the API server's endpoint addresses.
+ROUTER = [
+    "--set", "replicaCount=3", "--set", "router.enabled=true",
+    "--set", "networkPolicy.apiServerCIDRs={10.0.0.10/32}",
+]  # fmt: skip
+ALL_OPTIONS = Path(__file__).parent / "values-all-options.yaml"
+INGRESS = ["--set", "ingress.enabled=true", "--set", "ingress.hosts={llm.example.com}"]
+# vllm-router's worker-management routes, answered without auth on its client port.
+ADMIN_ROUTES = ["/add_worker", "/remove_worker", "/workers", "/list_workers", "/flush_cache", "/get_loads"]
 
 
 def render(*args: str, release: str = "qwen4exp") -> tuple[int, str]:
@@ -120,7 +131,13 @@ def test_builtin_kinds_validate_against_kubernetes_schemas(manifests):
     import kubernetes_validate
 
     builtin = [d for d in manifests if not d["apiVersion"].startswith("monitoring.coreos.com/")]
-    assert {d["kind"] for d in builtin} == {"Deployment", "Service", "ConfigMap"}
+    assert {d["kind"] for d in builtin} == {
+        "Deployment",
+        "Service",
+        "ConfigMap",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+    }
     for d in builtin:
         kubernetes_validate.validate(d, K8S_VERSION, strict=True)
     # The validator is not vacuous: a misspelt field fails.
@@ -353,19 +370,50 @@ def test_image_by_digest_runtime_class_and_secret_mode(manifests):
     assert "runtimeClassName" not in no_class
 
 
-def test_pod_disruption_budget_is_optional_and_valid(manifests):
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_pod_disruption_budget_lets_a_drain_through_at_any_replica_count(replicas):
+    """On by default with maxUnavailable 1: one replica a drain evicts (README "Disruptions"), N > 1
+    one at a time. 0 would block every voluntary eviction and is refused."""
     python_module_or_fail("kubernetes_validate")
     import kubernetes_validate
 
-    assert "PodDisruptionBudget" not in by_kind(manifests)
-    pdb = by_kind(docs(*REQUIRED, "--set", "podDisruptionBudget.enabled=true"))["PodDisruptionBudget"]
+    args = [*REQUIRED, "--set", f"replicaCount={replicas}"]
+    if replicas > 1:
+        args = [*REQUIRED, *ROUTER]
+    rendered = {(d["kind"], d["metadata"]["name"]): d for d in docs(*args)}
+    pdb = rendered["PodDisruptionBudget", "qwen4exp"]
     kubernetes_validate.validate(pdb, K8S_VERSION, strict=True)
-    assert pdb["spec"]["maxUnavailable"] == 0
-    dep = by_kind(docs(*REQUIRED))["Deployment"]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    dep = rendered["Deployment", "qwen4exp"]
+    assert dep["spec"]["replicas"] == replicas
     assert (
         pdb["spec"]["selector"]["matchLabels"].items()
         <= dep["spec"]["template"]["metadata"]["labels"].items()
     )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--set", "podDisruptionBudget.maxUnavailable=0"], "/podDisruptionBudget/maxUnavailable"),
+        (["--set", "podDisruptionBudget.maxUnavailable=0%"], "/podDisruptionBudget/maxUnavailable"),
+        (
+            [*ROUTER, "--set", "router.podDisruptionBudget.maxUnavailable=0"],
+            "/router/podDisruptionBudget/maxUnavailable",
+        ),
+    ],
+)
+def test_pod_disruption_budget_refuses_zero(args, message):
+    code, out = render(*REQUIRED, *args)
+    assert code != 0 and message in out, out
+
+
+def test_pod_disruption_budget_readme_says_what_a_drain_does_to_one_replica():
+    text = (CHART / "README.md").read_text()
+    section = text.split("### Disruptions", 1)[1].split("\n## ", 1)[0]
+    assert "`replicaCount: 1` a drain evicts the only replica" in section
+    values = (CHART / "values.yaml").read_text()
+    assert "With\n# replicaCount 1 a drain evicts the only replica" in values
 
 
 def test_every_value_is_in_the_readme_table():
@@ -427,21 +475,13 @@ def test_pod_hardening_read_only_root_and_no_service_account_token(manifests):
         assert "emptyDir" in volumes[mounts[path]] or "persistentVolumeClaim" in volumes[mounts[path]]
 
 
-def test_network_policy_is_optional_and_valid(manifests):
+def test_network_policy_is_on_by_default_and_pins_egress_to_dns(manifests):
     python_module_or_fail("kubernetes_validate")
     import kubernetes_validate
 
-    assert "NetworkPolicy" not in by_kind(manifests)
+    assert by_kind(manifests)["NetworkPolicy"]["metadata"]["name"] == "qwen4exp"
     peer = '{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}'
-    policy = by_kind(
-        docs(
-            *REQUIRED,
-            "--set",
-            "networkPolicy.enabled=true",
-            "--set-json",
-            f"networkPolicy.ingressFrom=[{peer}]",
-        )
-    )["NetworkPolicy"]
+    policy = by_kind(docs(*REQUIRED, "--set-json", f"networkPolicy.ingressFrom=[{peer}]"))["NetworkPolicy"]
     kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
     (rule,) = policy["spec"]["ingress"]
     assert rule["ports"] == [{"port": 8000, "protocol": "TCP"}]
@@ -453,4 +493,174 @@ def test_network_policy_is_optional_and_valid(manifests):
         policy["spec"]["podSelector"]["matchLabels"].items()
         <= dep["spec"]["template"]["metadata"]["labels"].items()
     )
-    assert {p["port"] for r in policy["spec"]["egress"] for p in r["ports"]} == {53}
+    (dns,) = policy["spec"]["egress"]
+    assert {p["port"] for p in dns["ports"]} == {53}
+    assert dns["to"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+        }
+    ]
+    assert "NetworkPolicy" not in by_kind(docs(*REQUIRED, "--set", "networkPolicy.enabled=false"))
+
+
+def test_router_egress_only_dns_replicas_and_the_api_server():
+    """Every egress rule of the router names its peers: no rule open to any address on a port."""
+    python_module_or_fail("kubernetes_validate")
+    import kubernetes_validate
+
+    rendered = {(d["kind"], d["metadata"]["name"]): d for d in docs(*REQUIRED, *ROUTER)}
+    router = rendered["NetworkPolicy", "qwen4exp-router"]
+    kubernetes_validate.validate(router, K8S_VERSION, strict=True)
+    egress = router["spec"]["egress"]
+    assert all(rule.get("to") for rule in egress), egress
+    replicas, dns, api = egress
+    assert replicas["to"][0]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "qwen4exp",
+        "app.kubernetes.io/instance": "qwen4exp",
+    }
+    assert {p["port"] for p in dns["ports"]} == {53}
+    assert api["to"] == [{"ipBlock": {"cidr": "10.0.0.10/32"}}]
+    assert {p["port"] for p in api["ports"]} == {443, 6443}
+
+
+def test_router_mode_without_api_server_cidrs_fails_naming_the_lookup():
+    code, out = render(*REQUIRED, "--set", "router.enabled=true")
+    assert code != 0, out
+    assert "networkPolicy.apiServerCIDRs is required" in out
+    assert "kubectl get endpoints kubernetes" in out and "jsonpath=" in out
+    # Without the policies the router's discovery is unrestricted and the value is not needed.
+    assert docs(*REQUIRED, "--set", "router.enabled=true", "--set", "networkPolicy.enabled=false")
+
+
+# ------------------------------------------------------------------------------------------------
+# Router exposure: the Ingress routes client paths only, the router Service stays ClusterIP
+# ------------------------------------------------------------------------------------------------
+
+
+def served_probes() -> set[str]:
+    """The service's probe routes, read from its FastAPI app."""
+    app = (CHART.parents[1] / "service" / "app.py").read_text()
+    return {path for path in ("/health", "/ready") if f'@app.get("{path}")' in app}
+
+
+def ingress_paths(ingress: dict) -> dict[str, tuple[str, str, int]]:
+    (rule,) = ingress["spec"]["rules"]
+    return {
+        p["path"]: (p["pathType"], p["backend"]["service"]["name"], p["backend"]["service"]["port"]["number"])
+        for p in rule["http"]["paths"]
+    }
+
+
+def test_ingress_routes_only_the_api_and_the_model_services_probes():
+    python_module_or_fail("kubernetes_validate")
+    import kubernetes_validate
+
+    assert "Ingress" not in {d["kind"] for d in docs(*REQUIRED)}
+    tls = '[{"secretName":"llm-tls","hosts":["llm.example.com"]}]'
+    ingress = by_kind(docs(*REQUIRED, *INGRESS, "--set-json", f"ingress.tls={tls}"))["Ingress"]
+    kubernetes_validate.validate(ingress, K8S_VERSION, strict=True)
+    assert ingress["spec"]["tls"] == [{"secretName": "llm-tls", "hosts": ["llm.example.com"]}]
+    assert served_probes() == {"/health", "/ready"}
+    assert ingress_paths(ingress) == {
+        "/v1/": ("Prefix", "qwen4exp", 8000),
+        **{probe: ("Exact", "qwen4exp", 8000) for probe in served_probes()},
+    }
+
+
+def test_ingress_in_router_mode_points_at_the_router_and_never_at_its_admin_routes():
+    python_module_or_fail("kubernetes_validate")
+    import kubernetes_validate
+
+    rendered = {(d["kind"], d["metadata"]["name"]): d for d in docs(*REQUIRED, *ROUTER, *INGRESS)}
+    ingress = rendered["Ingress", "qwen4exp"]
+    kubernetes_validate.validate(ingress, K8S_VERSION, strict=True)
+    (router,) = rendered["Deployment", "qwen4exp-router"]["spec"]["template"]["spec"]["containers"]
+    router_probes = {router[p]["httpGet"]["path"] for p in ("livenessProbe", "readinessProbe")}
+    paths = ingress_paths(ingress)
+    assert paths == {
+        "/v1/": ("Prefix", "qwen4exp-router", 8000),
+        **{probe: ("Exact", "qwen4exp-router", 8000) for probe in router_probes},
+    }
+    for route in ADMIN_ROUTES:
+        assert not any(route.startswith(path) for path, (kind, _, _) in paths.items() if kind == "Prefix")
+        assert route not in paths
+    assert rendered["Service", "qwen4exp-router"]["spec"]["type"] == "ClusterIP"
+
+
+def test_ingress_needs_a_host():
+    code, out = render(*REQUIRED, "--set", "ingress.enabled=true")
+    assert code != 0 and "ingress.hosts is required" in out, out
+
+
+@pytest.mark.parametrize("service_type", ["LoadBalancer", "NodePort"])
+def test_router_service_outside_the_cluster_needs_the_explicit_opt_in(service_type):
+    code, out = render(*REQUIRED, *ROUTER, "--set", f"router.service.type={service_type}")
+    assert code != 0, out
+    assert f"router.service.type={service_type}" in out
+    assert "router.service.allowUnsafeAdminRoutes=true" in out and "ingress.enabled=true" in out
+    opted_in = {
+        (d["kind"], d["metadata"]["name"]): d
+        for d in docs(
+            *REQUIRED,
+            *ROUTER,
+            "--set",
+            f"router.service.type={service_type}",
+            "--set",
+            "router.service.allowUnsafeAdminRoutes=true",
+        )
+    }
+    assert opted_in["Service", "qwen4exp-router"]["spec"]["type"] == service_type
+
+
+def test_readme_says_the_router_service_stays_cluster_ip_and_why():
+    text = (CHART / "README.md").read_text()
+    section = text.split("### Router exposure", 1)[1].split("\n### ", 1)[0]
+    assert "must stay `ClusterIP`" in section and "without auth" in section
+    assert "`Authorization` header" in section
+    for route in ADMIN_ROUTES:
+        assert f"`{route}`" in section, route
+
+
+# ------------------------------------------------------------------------------------------------
+# Router mode and every option at once: lint, render, validate
+# ------------------------------------------------------------------------------------------------
+
+
+def validate_all(manifests: list[dict]) -> None:
+    python_module_or_fail("kubernetes_validate")
+    import kubernetes_validate
+
+    for d in manifests:
+        if d["apiVersion"].startswith("monitoring.coreos.com/"):
+            jsonschema_validate(d)
+        else:
+            kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+
+
+def test_router_mode_renders_lints_and_validates():
+    proc = run([tool("helm"), "lint", "--strict", str(CHART), *REQUIRED, *ROUTER])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rendered = docs(*REQUIRED, *ROUTER, *CRDS)
+    assert {"NetworkPolicy", "PodDisruptionBudget", "Role"} <= {d["kind"] for d in rendered}
+    validate_all(rendered)
+
+
+def test_all_options_render_lint_and_validate():
+    proc = run([tool("helm"), "lint", "--strict", str(CHART), "-f", str(ALL_OPTIONS)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rendered = docs("-f", str(ALL_OPTIONS))
+    kinds = {d["kind"] for d in rendered}
+    assert kinds >= {
+        "Deployment", "Service", "ConfigMap", "Secret", "NetworkPolicy", "PodDisruptionBudget",
+        "Ingress", "HorizontalPodAutoscaler", "ServiceAccount", "Role", "RoleBinding", *MONITORING,
+    }  # fmt: skip
+    validate_all(rendered)  # Helm validated the merged values against values.schema.json
+
+
+def test_packaged_chart_keeps_its_readme(tmp_path):
+    proc = run([tool("helm"), "package", str(CHART), "--destination", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (archive,) = tmp_path.glob("qwen4exp-*.tgz")
+    proc = run([tool("helm"), "show", "readme", str(archive)])
+    assert proc.returncode == 0 and proc.stdout.startswith("# qwen4exp Helm chart"), proc.stdout + proc.stderr

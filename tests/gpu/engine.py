@@ -22,7 +22,9 @@ def cuda_engine_args(
     One block, so that every GPU test compares like with like: bfloat16, seed 0, no prefix caching,
     2,048 tokens, eager unless ``graphs`` (then CUDA graphs captured at ``graph_sizes`` only, which
     keeps start-up short), a fixed KV cache (vLLM then skips its memory profiling, which goes wrong
-    while other engines start on the same GPU) and the 3090's GDN prefill.
+    while other engines start on the same GPU), the 3090's GDN prefill, and no FlashInfer autotune
+    (vLLM runs it on sm_90 and newer only, so an RTX 3090 never does; on an H100/H200 it adds minutes
+    of start-up and JIT builds per engine).
     ``gpu_memory_utilization``: default ``QWEN4EXP_GPU_TEST_MEM`` (0.5). ``overrides`` replace any
     of these or add other engine arguments.
     """
@@ -37,6 +39,7 @@ def cuda_engine_args(
         gpu_memory_utilization=gpu_memory_utilization,
         kv_cache_memory_bytes=2 << 30,
         additional_config=dict(CUDA_ADDITIONAL_CONFIG),
+        enable_flashinfer_autotune=False,
     )
     if graphs:
         args["compilation_config"] = {"cudagraph_capture_sizes": list(graph_sizes)}

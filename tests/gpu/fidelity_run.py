@@ -275,6 +275,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="weights of generated shapes")
     parser.add_argument("--runs", default="upstream:eager,upstream:graphs,ours:eager")
     parser.add_argument(
+        "--references",
+        default="",
+        help="file of transformers' float32 and bfloat16 results for these prompts (one shape): loaded if it "
+        "exists and holds the same prompts, else computed and written (to share them between runs)",
+    )
+    parser.add_argument(
         "--diagnose",
         default="",
         help="implementations (comma-separated, each optionally +upstream-hc) to hook per sublayer on the "
@@ -296,8 +302,7 @@ def main() -> int:
             if not (ckpt / "model.safetensors").exists():
                 make_checkpoint(shape, ckpt, seed=args.seed, train_steps=0, device=DEVICE, init=args.init)
         prompts = list(given.values()) if given else make_prompts(ckpt, lengths, args.prompt_kind)
-        ref32 = measure.transformers_token_logprobs(ckpt, prompts, torch.float32, DEVICE)
-        ref16 = measure.transformers_token_logprobs(ckpt, prompts, torch.bfloat16, DEVICE)
+        ref32, ref16 = references(ckpt, prompts, Path(args.references) if args.references else None)
         entry: dict = {"transformers-bf16": {}, "runs": {}}
         if args.diagnose:  # first: it names the sublayer to look at while the full runs go on
             longest = max(prompts, key=len)
@@ -334,6 +339,23 @@ def main() -> int:
     (out / "fidelity.md").write_text(render(results))
     print(render(results))
     return 0
+
+
+def references(ckpt: Path, prompts: list[list[int]], cache: Path | None):
+    """transformers' float32 reference and bfloat16 yardstick for ``prompts``, from ``cache`` when it
+    holds these prompts (the references of one checkpoint are the same for every run of it, and
+    transformers' reference GDN is slow on a GPU without its optional kernels)."""
+    if cache is not None and cache.exists():
+        saved = torch.load(cache, weights_only=False)
+        if saved["prompts"] == prompts:
+            print(f"references from {cache} (computed on {saved['device']})", flush=True)
+            return saved["ref32"], saved["ref16"]
+        print(f"{cache} holds other prompts: computing the references again", flush=True)
+    ref32 = measure.transformers_token_logprobs(ckpt, prompts, torch.float32, DEVICE)
+    ref16 = measure.transformers_token_logprobs(ckpt, prompts, torch.bfloat16, DEVICE)
+    if cache is not None:
+        torch.save({"prompts": prompts, "device": DEVICE, "ref32": ref32, "ref16": ref16}, cache)
+    return ref32, ref16
 
 
 def prompt_labels(lengths: list[int], kind: str) -> list[str | int]:

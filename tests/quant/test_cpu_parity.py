@@ -20,15 +20,13 @@ on the others (the skip reason is the finding, with file and line in vllm 0.32.0
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from model.tools.quantize import convert_checkpoint
-from tests.conftest import ROOT
+from tests.conftest import ensure_checkpoint
 from tests.parity.prompts import parity_prompts
 
 from .conftest import DENSE_INT4_CASES, cpu_library_has
@@ -85,22 +83,7 @@ def test_fp8_experts_equal_dequantized_twin_on_amx_cpu(tmp_path_factory):
     from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("qsa512_fp8")
-    src = root / "qsa512"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "model.tools.checkpoints",
-            "--preset",
-            "qsa512",
-            "--out",
-            str(src),
-            "--train-steps",
-            "20",
-        ],
-        check=True,
-        cwd=ROOT,
-    )
+    src = ensure_checkpoint("qsa512", train_steps=20)
     paths: dict[str, Path] = {}
     for deq in (False, True):
         key = "deq" if deq else "fp8"

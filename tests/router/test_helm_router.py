@@ -27,7 +27,15 @@ REQUIRED = [
     "--set", "apiKeys.existingSecret=qwen4exp-api-keys",
     "--set", "sidecar.existingConfigMap=qwen4exp-kv-scales",
 ]  # fmt: skip
-SCALED = ["--set", "replicaCount=3", "--set", "router.enabled=true"]
+# Router mode renders only with the API server pinned for the router's egress (networkPolicy.apiServerCIDRs).
+SCALED = [
+    "--set",
+    "replicaCount=3",
+    "--set",
+    "router.enabled=true",
+    "--set",
+    "networkPolicy.apiServerCIDRs={10.0.0.10/32}",
+]
 CRDS = ["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor"]
 REPLICA_SELECTOR = {"app.kubernetes.io/name": "qwen4exp", "app.kubernetes.io/instance": "qwen4exp"}
 

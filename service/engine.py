@@ -92,6 +92,8 @@ def cli_args(
         argv += ["--kv-cache-memory-bytes", str(settings.kv_cache_memory_bytes)]
     if settings.chat_template is not None:
         argv += ["--chat-template", str(settings.chat_template)]
+    if settings.allowed_media_domains is not None:
+        argv += ["--allowed-media-domains", *settings.allowed_media_domains.split(",")]
     if settings.enforce_eager or device == "cpu":  # no CUDA graphs on CPU; compiling only costs start time
         argv.append("--enforce-eager")
     if deployment is not None:
@@ -119,6 +121,7 @@ OWNED_PARAMS = {
     "speculative_config": "QWEN4EXP_SPECULATIVE",
     "chat_template": "QWEN4EXP_CHAT_TEMPLATE",
     "enforce_eager": "QWEN4EXP_ENFORCE_EAGER",
+    "allowed_media_domains": "QWEN4EXP_ALLOWED_MEDIA_DOMAINS",
     "additional_config": "the model's variables (the service writes vLLM's additional_config)",
     "engram_config": "VLLM_PLE_CPU_OFFLOAD",
     "enable_auto_tool_choice": "QWEN4EXP_TOOL_CALL_PARSER",

@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import error_body
 from .guards import Admission, read_body, replaying
+from .media_urls import parse_domains, refused_media_url
 from .settings import ServiceSettings
 
 CHAT = "/v1/chat/completions"
@@ -74,6 +75,7 @@ class Limits:
     max_schema_bytes: int = 65536
     max_logprobs: int = 20
     max_new_tokens: int | None = None  # the context length, when known without the engine
+    media_domains: tuple[str, ...] = ()  # hosts media URLs may be fetched from; none by default
 
     @classmethod
     def from_settings(cls, settings: ServiceSettings) -> Limits:
@@ -86,6 +88,7 @@ class Limits:
             max_schema_bytes=settings.max_tool_schema_bytes,
             max_logprobs=settings.max_logprobs,
             max_new_tokens=settings.max_model_len,
+            media_domains=parse_domains(settings.allowed_media_domains or ""),
         )
 
 
@@ -195,6 +198,8 @@ def cap_problem(path: str, body: dict[str, Any], limits: Limits) -> tuple[str, s
             f"limit of {limits.max_schema_bytes} bytes (QWEN4EXP_MAX_TOOL_SCHEMA_BYTES)."
         )
         return max(sizes, key=sizes.__getitem__), message
+    if (refused := refused_media_url(path, body, limits.media_domains)) is not None:
+        return refused
     if limits.max_new_tokens is not None:
         for field in MAX_TOKEN_FIELDS.get(path, ()):
             value = as_int(body.get(field))

@@ -25,6 +25,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from model.runtime import envs
 
+from .media_urls import parse_domains
+
 PREFIX = "QWEN4EXP_"
 
 # How to fix a bad value, by field; shown next to pydantic's description of what is wrong.
@@ -69,6 +71,7 @@ FIXES: dict[str, str] = {
     "max_logit_bias_entries": "use an integer >= 0",
     "max_tools": "use an integer >= 0",
     "max_tool_schema_bytes": "use an integer >= 256",
+    "allowed_media_domains": "use comma-separated host names (e.g. images.example.com), or leave it unset",
     "log_level": "use debug, info, warning or error",
 }
 
@@ -221,6 +224,13 @@ class ServiceSettings(BaseSettings):
     max_tool_schema_bytes: int = Field(
         65536, ge=256, description="Largest JSON size of one request's `tools` and `response_format` schemas."
     )
+    allowed_media_domains: str | None = Field(
+        None,
+        description="Hosts the engine may fetch media URLs from (image, video, audio parts), comma-separated; "
+        "also passed to vLLM as `--allowed-media-domains`. Unset: every remote media URL gets a 400 "
+        "before the engine sees it (inline `data:` URLs pass), so no client can make the server "
+        "request an internal address.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
     @field_validator(
@@ -251,6 +261,13 @@ class ServiceSettings(BaseSettings):
         if value is not None and (not value.strip() or any(c.isspace() for c in value)):
             raise ValueError(f"{value!r} is empty or contains whitespace")
         return value
+
+    @field_validator("allowed_media_domains")
+    @classmethod
+    def _media_domains(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        return ",".join(parse_domains(value)) or None
 
     @field_validator("api_keys")
     @classmethod

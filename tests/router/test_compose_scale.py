@@ -45,8 +45,16 @@ def test_scale_profile_router_flags_parse_and_match_prometheus():
     assert args.worker_urls == ["http://qwen4exp-a:8000", "http://qwen4exp-b:8000"]
     assert args.policy == "cache_aware" and args.health_check_endpoint == "/ready"
     assert args.port == 8000 and args.prometheus_host == "0.0.0.0"
-    (port,) = router["ports"]
-    assert port.removesuffix("/tcp") == "127.0.0.1:8080:8000"  # loopback by default, like the service's port
+    # Bounds of its own instead of vllm-router's 512 MiB bodies and 32,768 requests at once.
+    assert args.max_payload_size == 32 << 20 and args.max_concurrent_requests == 64 and args.queue_size == 128
+    # The router's port serves its worker admin routes without auth: it is never published; clients
+    # reach it through router-gate (TLS, client routes only), on loopback by default.
+    assert "ports" not in router
+    services = _resolved("--profile", "scale")["services"]
+    gate = services["router-gate"]
+    assert gate["profiles"] == ["scale"] and gate["environment"]["GATE_UPSTREAM"] == "http://router:8000"
+    (port,) = gate["ports"]
+    assert port.removesuffix("/tcp") == "127.0.0.1:8443:8443"
 
     jobs = {j["job_name"]: j for j in yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"]}
     (replicas,) = jobs["qwen4exp-replicas"]["dns_sd_configs"]

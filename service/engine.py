@@ -92,8 +92,8 @@ def cli_args(
         argv += ["--kv-cache-memory-bytes", str(settings.kv_cache_memory_bytes)]
     if settings.chat_template is not None:
         argv += ["--chat-template", str(settings.chat_template)]
-    if settings.allowed_media_domains is not None:
-        argv += ["--allowed-media-domains", *settings.allowed_media_domains.split(",")]
+    if settings.media_domains:
+        argv += ["--allowed-media-domains", *settings.media_domains]
     if settings.enforce_eager or device == "cpu":  # no CUDA graphs on CPU; compiling only costs start time
         argv.append("--enforce-eager")
     if deployment is not None:

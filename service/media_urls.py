@@ -62,11 +62,9 @@ def refused_media_url(path: str, body: dict[str, Any], allowed: tuple[str, ...])
     if field is None or field not in body:
         return None
     for url in _urls(body[field]):
-        scheme = url.split(":", 1)[0].strip().lower() if ":" in url else ""
-        if scheme == "data":
-            continue
-        host = (urlsplit(url.strip()).hostname or "").lower().rstrip(".")
-        if host and host in allowed:
+        parts = urlsplit(url.strip())
+        host = (parts.hostname or "").rstrip(".")  # urlsplit lower-cases it
+        if parts.scheme.lower() == "data" or (host and host in allowed):
             continue
         shown = url if len(url) <= 120 else url[:117] + "..."
         if not allowed:

@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import error_body
 from .guards import Admission, read_body, replaying
-from .media_urls import parse_domains, refused_media_url
+from .media_urls import refused_media_url
 from .settings import ServiceSettings
 
 CHAT = "/v1/chat/completions"
@@ -88,7 +88,7 @@ class Limits:
             max_schema_bytes=settings.max_tool_schema_bytes,
             max_logprobs=settings.max_logprobs,
             max_new_tokens=settings.max_model_len,
-            media_domains=parse_domains(settings.allowed_media_domains or ""),
+            media_domains=settings.media_domains,
         )
 
 

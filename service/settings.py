@@ -284,6 +284,11 @@ class ServiceSettings(BaseSettings):
         return value
 
     @property
+    def media_domains(self) -> tuple[str, ...]:
+        """The hosts of ``QWEN4EXP_ALLOWED_MEDIA_DOMAINS`` (validated and normalised above)."""
+        return tuple(self.allowed_media_domains.split(",")) if self.allowed_media_domains else ()
+
+    @property
     def model_name(self) -> str:
         return self.served_model_name or self.model.name
 

@@ -23,7 +23,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.deploy.tools import tool
-from tests.net import free_port
+from tests.net import free_port, wait_ready
 
 from .conftest import KEY, Server, error_of
 
@@ -79,16 +79,21 @@ def gate(server: Server, tmp_path_factory):
     )
     (tmp / "gate.conf").write_text(site)
     # The image's nginx.conf around conf.d, reduced to what a non-installed nginx needs.
-    temp = {name: tmp / name for name in ("body", "proxy", "fastcgi", "uwsgi", "scgi")}
+    temp_dirs = "".join(
+        f"  {directive} {tmp / directive};\n"
+        for directive in (
+            "client_body_temp_path",
+            "proxy_temp_path",
+            "fastcgi_temp_path",
+            "uwsgi_temp_path",
+            "scgi_temp_path",
+        )
+    )
     user = "user root;\n" if os.geteuid() == 0 else ""  # workers keep access to the 0700 tmp dirs
     (tmp / "nginx.conf").write_text(
         f"{user}daemon off;\nworker_processes 1;\npid {tmp / 'nginx.pid'};\nerror_log stderr warn;\n"
         "events { worker_connections 256; }\n"
-        "http {\n  access_log off;\n"
-        + "".join(f"  {name}_temp_path {path};\n" for name, path in temp.items()).replace(
-            "body_temp_path", "client_body_temp_path"
-        )
-        + f"  include {tmp / 'gate.conf'};\n}}\n"
+        f"http {{\n  access_log off;\n{temp_dirs}  include {tmp / 'gate.conf'};\n}}\n"
     )
     log = open(tmp / "nginx.log", "wb")
     proc = subprocess.Popen(
@@ -96,15 +101,16 @@ def gate(server: Server, tmp_path_factory):
     )
     url = f"https://127.0.0.1:{port}"
     trust = ssl.create_default_context(cafile=str(cert))
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            httpx.get(url + "/health", verify=trust, timeout=2)
-            break
-        except httpx.TransportError:
-            assert proc.poll() is None, (tmp / "nginx.log").read_text()
-            assert time.monotonic() < deadline, "nginx did not answer:\n" + (tmp / "nginx.log").read_text()
-            time.sleep(0.2)
+    with httpx.Client(verify=trust, timeout=2) as client:
+        wait_ready(
+            url + "/health",
+            proc,
+            time.monotonic() + 30,
+            client=client,
+            exited=lambda rc: f"nginx exited with {rc}:\n" + (tmp / "nginx.log").read_text(),
+            not_ready=lambda: "nginx did not answer:\n" + (tmp / "nginx.log").read_text(),
+            interval=0.2,
+        )
     yield url, trust
     proc.terminate()
     proc.wait(timeout=10)

@@ -193,6 +193,16 @@ def test_deployment_for_one_4x3090_node(manifests):
     assert pod["securityContext"]["runAsNonRoot"] is True
 
 
+def test_media_domains_reach_the_service_and_none_is_the_default(manifests):
+    (c,) = by_kind(manifests)["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert "QWEN4EXP_ALLOWED_MEDIA_DOMAINS" not in {e["name"] for e in c["env"]}
+    args = ["--set", "engine.allowedMediaDomains={images.example.com,cdn.example.org}"]
+    (dep,) = [d for d in docs(*REQUIRED, *args) if d["kind"] == "Deployment"]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["QWEN4EXP_ALLOWED_MEDIA_DOMAINS"] == "images.example.com,cdn.example.org"
+
+
 def test_guaranteed_qos_sized_from_the_planner(manifests):
     """Requests == limits (Guaranteed QoS) and the memory covers the planner's container memory
     (pinned PLE tables fp8_e4m3 + workers + front end + /dev/shm, 4x3090, 128 GiB) without taking

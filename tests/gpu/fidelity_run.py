@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -278,7 +279,7 @@ def main() -> int:
         "--references",
         default="",
         help="file of transformers' float32 and bfloat16 results for these prompts (one shape): loaded if it "
-        "exists and holds the same prompts, else computed and written (to share them between runs)",
+        "exists and holds the same prompts and weights, else computed and written (to share them between runs)",
     )
     parser.add_argument(
         "--diagnose",
@@ -345,17 +346,30 @@ def references(ckpt: Path, prompts: list[list[int]], cache: Path | None):
     """transformers' float32 reference and bfloat16 yardstick for ``prompts``, from ``cache`` when it
     holds these prompts (the references of one checkpoint are the same for every run of it, and
     transformers' reference GDN is slow on a GPU without its optional kernels)."""
+    weights = weights_digest(ckpt)
     if cache is not None and cache.exists():
         saved = torch.load(cache, weights_only=False)
-        if saved["prompts"] == prompts:
+        if saved["prompts"] == prompts and saved.get("weights") == weights:
             print(f"references from {cache} (computed on {saved['device']})", flush=True)
             return saved["ref32"], saved["ref16"]
-        print(f"{cache} holds other prompts: computing the references again", flush=True)
+        print(f"{cache} holds other prompts or weights: computing the references again", flush=True)
     ref32 = measure.transformers_token_logprobs(ckpt, prompts, torch.float32, DEVICE)
     ref16 = measure.transformers_token_logprobs(ckpt, prompts, torch.bfloat16, DEVICE)
     if cache is not None:
-        torch.save({"prompts": prompts, "device": DEVICE, "ref32": ref32, "ref16": ref16}, cache)
+        saved = {"prompts": prompts, "weights": weights, "device": DEVICE, "ref32": ref32, "ref16": ref16}
+        torch.save(saved, cache)
     return ref32, ref16
+
+
+def weights_digest(ckpt: Path) -> str:
+    """SHA-256 of the checkpoint's weight files: references are reused only for the same weights (a
+    checkpoint regenerated under another torch or transformers may draw other values)."""
+    digest = hashlib.sha256()
+    for path in sorted(ckpt.glob("*.safetensors")):
+        with path.open("rb") as f:
+            for block in iter(functools.partial(f.read, 1 << 24), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def prompt_labels(lengths: list[int], kind: str) -> list[str | int]:

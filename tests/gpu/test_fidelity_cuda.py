@@ -14,7 +14,8 @@ on the same prompts. Three kinds of case:
 * fresh draws each run: two ``drawn-<seed>`` shapes with transformers' own initialisation,
   repeated and salted prompts; the seed is printed, and ``FIDELITY_SEED`` replays one.
 
-``FIDELITY_OUT`` keeps the JSON and markdown tables.
+``FIDELITY_OUT`` keeps the JSON and markdown tables, and the repetitive case's references
+(``repetitive-case/refs.pt``, reused while its prompts and weights are the same).
 """
 
 from __future__ import annotations
@@ -91,7 +92,10 @@ def test_repetitive_case_is_as_close_to_float32_as_transformers_bf16(tmp_path):
 
     out = output_dir("repetitive-case", tmp_path)
     ckpt, prompts = build(out / "case")
-    got = run_fidelity(out, "--shapes", str(ckpt), "--prompts", str(prompts), "--runs", SERVED_PATHS)
+    references = out / "refs.pt"  # kept under FIDELITY_OUT: a rerun scores against the same references
+    got = run_fidelity(
+        out, "--shapes", str(ckpt), "--prompts", str(prompts), "--references", str(references), "--runs", SERVED_PATHS
+    )  # fmt: skip
     failed = problems(got["shapes"][ckpt.name])
     assert not failed, failed
 

@@ -367,8 +367,7 @@ def weights_digest(ckpt: Path) -> str:
     digest = hashlib.sha256()
     for path in sorted(ckpt.glob("*.safetensors")):
         with path.open("rb") as f:
-            for block in iter(functools.partial(f.read, 1 << 24), b""):
-                digest.update(block)
+            digest.update(hashlib.file_digest(f, "sha256").digest())
     return digest.hexdigest()
 
 

@@ -11,7 +11,6 @@ and repeated text. The CUDA paths have the same judge on the GPU (``tests/gpu/te
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
 
@@ -20,6 +19,7 @@ import torch
 
 from tests.conftest import CHECKPOINTS, ROOT
 from tests.fidelity import measure
+from tests.vllm_greedy import in_process_engine, shut_down
 
 # drawn-6: hc 3, 8 experts, PLE on three layers with 4-grams, 4 index heads, RoPE on 32 of 128 dims.
 # Its prompts stop at 300 tokens: a 904-token batch of it took the CPU worker past this machine's
@@ -57,16 +57,15 @@ def judge_ours(name: str, path, prompts: list[list[int]]) -> None:
     yardstick = measure.fidelity(
         ref32, measure.as_observed(measure.transformers_token_logprobs(path, prompts, torch.bfloat16))
     )
-    llm = LLM(
-        model=str(path), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
-        max_model_len=max(map(len, prompts)) + 16, seed=0,
-    )  # fmt: skip
-    try:
-        ours = measure.fidelity(ref32, measure.vllm_token_logprobs(llm, prompts))
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    with in_process_engine():
+        llm = LLM(
+            model=str(path), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
+            max_model_len=max(map(len, prompts)) + 16, seed=0,
+        )  # fmt: skip
+        try:
+            ours = measure.fidelity(ref32, measure.vllm_token_logprobs(llm, prompts))
+        finally:
+            shut_down(llm)
     print(
         f"\n{name}: transformers-bf16 {yardstick.as_row()}; ours {ours.as_row()} ({ours.positions} positions)"
     )

@@ -46,6 +46,7 @@ def _generate(path, prompts: dict[str, list[int]], tp: int) -> dict[str, list[in
         path,
         prompts,
         MAX_NEW_TOKENS,
+        in_process=False,  # the PLE metrics are read from the engine's multiprocess directory
         tensor_parallel_size=tp,
         max_model_len=1024,
         max_num_seqs=8,

@@ -18,7 +18,6 @@ prove nothing):
 
 from __future__ import annotations
 
-import gc
 import json
 
 import pytest
@@ -27,6 +26,7 @@ from tests.conftest import ensure_checkpoint
 from tests.parity.prompts import SENTENCES
 from tests.parity.reference import greedy, load_reference
 from tests.parity.test_generation_parity import assert_same
+from tests.vllm_greedy import in_process_engine, shut_down
 
 MAX_NEW_TOKENS = 16
 PREFIX_LEN = 768
@@ -38,19 +38,18 @@ def run_in_order(path, prompts: dict[str, list[int]], **engine_args) -> tuple[di
     from vllm import LLM, SamplingParams
 
     args = dict(dtype="bfloat16", enforce_eager=True, max_model_len=2048, seed=0)
-    llm = LLM(model=str(path), **{**args, **engine_args})
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
-        tokens, cached = {}, {}
-        for name, ids in prompts.items():
-            (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-            tokens[name] = list(out.outputs[0].token_ids)
-            cached[name] = out.num_cached_tokens or 0
-        return tokens, cached, llm.llm_engine.vllm_config.cache_config.block_size
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    with in_process_engine():
+        llm = LLM(model=str(path), **{**args, **engine_args})
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+            tokens, cached = {}, {}
+            for name, ids in prompts.items():
+                (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+                tokens[name] = list(out.outputs[0].token_ids)
+                cached[name] = out.num_cached_tokens or 0
+            return tokens, cached, llm.llm_engine.vllm_config.cache_config.block_size
+        finally:
+            shut_down(llm)
 
 
 @pytest.fixture(scope="module")

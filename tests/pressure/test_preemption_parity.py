@@ -25,12 +25,11 @@ the FP8 QSA cache with prefix caching on.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
 from tests.conftest import ensure_checkpoint
 from tests.qsa_kv.helpers import QSA_ENV, patched_env
+from tests.vllm_greedy import in_process_engine, shut_down
 
 from .parity import TOP, compare, plain, problems, prompts_near_block_end, recompute_drift, summary
 
@@ -54,36 +53,35 @@ def test_preempted_requests_match_their_lone_runs(case: str, capsys) -> None:
     from vllm import LLM, SamplingParams
 
     path = ensure_checkpoint("tiny")
-    with patched_env(**dict.fromkeys(QSA_ENV)):  # FP8: scales 1.0, no sidecar, nothing collected
-        llm = LLM(
-            model=str(path),
-            dtype="bfloat16",
-            enforce_eager=True,
-            max_model_len=1024,
-            seed=0,
-            num_gpu_blocks_override=NUM_BLOCKS,
-            disable_log_stats=False,  # the preemption counter
-            **CASES[case],
-        )
-    try:
-        config = llm.llm_engine.vllm_config
-        block = config.cache_config.block_size
-        prompts = prompts_near_block_end(block, config.model_config.get_vocab_size(), REQUESTS)
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=TOP)
-        alone = []
-        for ids in prompts:
-            (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-            alone.append(plain(out.outputs[0]))
-        before = preemptions(llm)
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
-        preempted = preemptions(llm) - before
-        together = [plain(o.outputs[0]) for o in outs]
-        cached = sum(o.num_cached_tokens or 0 for o in outs)
-        control = recompute_drift(llm, prompts, alone)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    with in_process_engine():
+        with patched_env(**dict.fromkeys(QSA_ENV)):  # FP8: scales 1.0, no sidecar, nothing collected
+            llm = LLM(
+                model=str(path),
+                dtype="bfloat16",
+                enforce_eager=True,
+                max_model_len=1024,
+                seed=0,
+                num_gpu_blocks_override=NUM_BLOCKS,
+                disable_log_stats=False,  # the preemption counter
+                **CASES[case],
+            )
+        try:
+            config = llm.llm_engine.vllm_config
+            block = config.cache_config.block_size
+            prompts = prompts_near_block_end(block, config.model_config.get_vocab_size(), REQUESTS)
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=TOP)
+            alone = []
+            for ids in prompts:
+                (out,) = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+                alone.append(plain(out.outputs[0]))
+            before = preemptions(llm)
+            outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+            preempted = preemptions(llm) - before
+            together = [plain(o.outputs[0]) for o in outs]
+            cached = sum(o.num_cached_tokens or 0 for o in outs)
+            control = recompute_drift(llm, prompts, alone)
+        finally:
+            shut_down(llm)
     verdicts = [compare(a, t) for a, t in zip(alone, together, strict=True)]
     with capsys.disabled():
         print(

@@ -17,7 +17,6 @@ collectives); the service places the ranks itself (a core group and a share of t
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -36,6 +35,7 @@ from tests.fidelity import measure
 from tests.net import free_port, wait_ready
 from tests.qsa_kv.helpers import run_merge
 from tests.qsa_kv.test_service_metrics import stop
+from tests.vllm_greedy import in_process_engine, shut_down
 
 LAYER = "model.layers.3.self_attn"
 TINY_SCALE = 1e-9  # all but the K/V elements within 4.5e-7 of zero clip: the count follows the tokens written
@@ -60,12 +60,6 @@ def engine(path: Path, tp: int, monkeypatch, **kwargs):
     )  # fmt: skip
 
 
-def shut(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
 def test_two_ranks_are_as_close_to_float32_and_give_one_ranks_tokens(monkeypatch):
     from vllm import SamplingParams
 
@@ -78,12 +72,13 @@ def test_two_ranks_are_as_close_to_float32_and_give_one_ranks_tokens(monkeypatch
     results, tokens = {}, {}
     greedy = SamplingParams(max_tokens=8, temperature=0)
     for tp in (1, 2):
-        llm = engine(path, tp, monkeypatch, max_model_len=max(map(len, prompts)) + 16)
-        try:
-            results[tp] = measure.fidelity(ref32, measure.vllm_token_logprobs(llm, prompts))
-            tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
-        finally:
-            shut(llm)
+        with in_process_engine():
+            llm = engine(path, tp, monkeypatch, max_model_len=max(map(len, prompts)) + 16)
+            try:
+                results[tp] = measure.fidelity(ref32, measure.vllm_token_logprobs(llm, prompts))
+                tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+            finally:
+                shut_down(llm)
     print(
         f"\ntiny: transformers-bf16 {yardstick.as_row()}; one rank {results[1].as_row()}; "
         f"two ranks {results[2].as_row()}"
@@ -250,11 +245,12 @@ def test_calibration_dumps_of_both_ranks_merge_into_one_ranks_sidecar(tmp_path, 
     for tp in (1, 2):
         dumps = tmp_path / f"dumps-tp{tp}"
         monkeypatch.setenv("VLLM_QSA_KV_COLLECT", str(dumps))
+        # vLLM's worker processes: a collector writes its dump when its worker exits.
         llm = engine(path, tp, monkeypatch, max_model_len=512)
         try:
             llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0))
         finally:
-            shut(llm)
+            shut_down(llm)
         files = sorted(p.name for p in dumps.glob("*.json"))
         assert files == [f"qsa_kv_absmax_dp0_pp0_tp{r}.json" for r in range(tp)], files
         sidecars[tp] = tmp_path / f"sidecar-tp{tp}.json"

@@ -26,8 +26,10 @@ def in_process_engine() -> Iterator[None]:
     (the next engine would not see a test's new settings), freezes the garbage collector's heap
     (an engine's tensors would never be freed), replaces ``torch.set_num_threads`` with a no-op
     and binds the process's threads and CPU affinity to its cores (later tests would compute on
-    one thread or see one CPU). Not for tests that read metrics from ``PROMETHEUS_MULTIPROC_DIR``:
-    an in-process engine writes them to this process's registry instead.
+    one thread or see one CPU). Not for tests that read what a worker process writes: metrics in
+    ``PROMETHEUS_MULTIPROC_DIR`` (an in-process engine writes them to this process's registry) or
+    a calibration dump written when the worker exits. With several ranks only the engine core
+    comes into this process; the workers stay vLLM's processes.
     """
     import torch
     import vllm.envs as envs
@@ -51,10 +53,9 @@ def in_process_engine() -> Iterator[None]:
 
 
 def shut_down(llm) -> None:
-    """Stop an ``LLM``'s engine and free it (call inside :func:`in_process_engine` if built there)."""
+    """Stop an ``LLM``'s engine (inside :func:`in_process_engine` if it was built there); its model
+    and KV cache go with the caller's last reference to it."""
     llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
 
 
 def greedy_vllm(

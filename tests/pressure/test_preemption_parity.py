@@ -82,6 +82,7 @@ def test_preempted_requests_match_their_lone_runs(case: str, capsys) -> None:
             control = recompute_drift(llm, prompts, alone)
         finally:
             shut_down(llm)
+            del llm  # freed when the block collects on leaving
     verdicts = [compare(a, t) for a, t in zip(alone, together, strict=True)]
     with capsys.disabled():
         print(

@@ -17,6 +17,7 @@ collectives); the service places the ranks itself (a core group and a share of t
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -79,6 +80,7 @@ def test_two_ranks_are_as_close_to_float32_and_give_one_ranks_tokens(monkeypatch
                 tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
             finally:
                 shut_down(llm)
+                del llm  # freed before the next engine starts (the block collects on leaving)
     print(
         f"\ntiny: transformers-bf16 {yardstick.as_row()}; one rank {results[1].as_row()}; "
         f"two ranks {results[2].as_row()}"
@@ -251,6 +253,8 @@ def test_calibration_dumps_of_both_ranks_merge_into_one_ranks_sidecar(tmp_path, 
             llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0))
         finally:
             shut_down(llm)
+            del llm
+            gc.collect()
         files = sorted(p.name for p in dumps.glob("*.json"))
         assert files == [f"qsa_kv_absmax_dp0_pp0_tp{r}.json" for r in range(tp)], files
         sidecars[tp] = tmp_path / f"sidecar-tp{tp}.json"

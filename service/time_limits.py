@@ -36,7 +36,10 @@ FINAL_SEND_TIMEOUT_S = 5.0
 # or with bytes still in flight, makes the kernel answer with a TCP reset, and a client that gets
 # the reset before it has read the 408 loses the answer (RFC 9112 section 9.6, "lingering close").
 LINGER_S = 2.0
-LINGER_QUIET_S = 0.5  # ...or until the client has sent nothing for this long
+# ...or until the client has sent nothing for this long: longer than a busy client takes to notice
+# the answer between two of its writes (a trickler writing every 0.25 s on a loaded host can stall
+# past half a second, and its next byte then meets a closed socket and a reset).
+LINGER_QUIET_S = 1.0
 
 
 class BodyTimedOut(Exception):

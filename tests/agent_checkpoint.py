@@ -16,8 +16,9 @@ and weights trained on the CPU until greedy decoding writes the :data:`CONVERSAT
 The answers are learnt by heart (the loss ends near zero), so greedy decoding is decisive on every
 CPU kind although the weights differ between hosts. Each prompt is learnt under several renderings
 of the tool list (one tool or two, either order), as clients and vLLM's Responses and Anthropic
-adapters present it differently. Built once per machine under ``checkpoints/agent`` (about a
-minute on 2 cores) and rebuilt when this file changes.
+adapters present it differently. Pinned as test data (``tests/data/checkpoints/agent``); without a
+current pin, built once per machine under ``checkpoints/agent`` (about a minute on 2 cores) and
+rebuilt when this file changes.
 """
 
 from __future__ import annotations
@@ -219,9 +220,19 @@ def check_greedy(model, examples: list[tuple[list[int], list[int]]], tok) -> Non
 
 
 def ensure(directory: Path | None = None) -> Path:
-    """The checkpoint under ``checkpoints/agent`` (or ``directory``), built if missing or stale."""
-    from tests.conftest import CHECKPOINTS
+    """The pinned copy (``tests/data/checkpoints/agent``) while it matches this file, else the
+    checkpoint under ``checkpoints/agent`` (or ``directory``), built if missing or stale.
 
+    Pinned because training it is the slowest part of the agent tests' set-up (about a minute on 2
+    cores); its answers are learnt by heart, so one host's weights serve every CPU kind. After a
+    change here, ``python -m tests.agent_checkpoint tests/data/checkpoints/agent`` renews the pin
+    (``tests/unit/test_pinned_checkpoints.py`` says when)."""
+    from tests.conftest import CHECKPOINTS, PINNED
+
+    pinned = PINNED / "agent"
+    if directory is None and (pinned / "FINGERPRINT").exists():
+        if (pinned / "FINGERPRINT").read_text().strip() == fingerprint():
+            return pinned
     path = directory or CHECKPOINTS / "agent"
     stamp = path / "FINGERPRINT"
     if not (stamp.exists() and stamp.read_text().strip() == fingerprint()):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import shutil
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import ensure_checkpoint
+from tests.vllm_greedy import in_process_engine, shut_down
 
 SHARD = "model.layers.0.ple.ple_embedding.ngram_embedding.shard_{}.weight"
 
@@ -34,14 +34,19 @@ def _edit_config(path: Path, **changes) -> None:
 
 
 def _start(path: Path) -> None:
+    """Start an engine on ``path`` in this process (its errors arrive as they were raised) and stop it."""
     from vllm import LLM
 
-    llm = LLM(
-        model=str(path), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False, max_model_len=512
-    )
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    with in_process_engine():
+        llm = LLM(
+            model=str(path),
+            dtype="bfloat16",
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            max_model_len=512,
+        )
+        shut_down(llm)
+        del llm
 
 
 def _fails_with(path: Path, capfd, *fragments: str) -> None:

@@ -7,7 +7,6 @@ stops ``LLM(...)`` at start-up with the same message.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import pythonpath_with
 from tests.net import free_port
+from tests.vllm_greedy import in_process_engine, shut_down
 
 REPO = Path(__file__).resolve().parents[2]
 TABLE0 = "model.layers.0.ple.ple_embedding"
@@ -282,14 +282,19 @@ def test_broken_checkpoint_fails_with_message(harness, case):
 
 
 def _start_engine(path: Path) -> None:
+    """Start an engine on ``path`` in this process (its errors arrive as they were raised) and stop it."""
     from vllm import LLM
 
-    llm = LLM(
-        model=str(path), dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False, max_model_len=512
-    )
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    with in_process_engine():
+        llm = LLM(
+            model=str(path),
+            dtype="bfloat16",
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            max_model_len=512,
+        )
+        shut_down(llm)
+        del llm
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,11 @@ Prints one line ``PROBE_JSON={...}``: ``methods`` (module -> quant method class)
 (tested on its own), so that loading can be checked anyway.
 
 Usage: python -m tests.quant.load_probe CHECKPOINT [--force-int4-moe-backend] [--skip-kernel-check]
+
+``--serve``: import vLLM and our model once, then read one JSON argument list per line from stdin
+and run each probe in a forked child (its patches and its half-built engine die with it), printing
+``PROBE_DONE`` after each. Importing vLLM is most of a probe's time on a CPU host (seconds per
+process); the tests' probes share one server.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ class _Done(Exception):
     pass
 
 
-def main() -> None:
+def main(argv: list[str]) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # model built in this process
-    checkpoint = sys.argv[1]
+    checkpoint = argv[0]
     result: dict = {}
     from model.ours import model as adapter
     from model.runtime.quant_checks import linear_kernel_name
@@ -55,9 +60,9 @@ def main() -> None:
         raise _Done
 
     adapter.Qwen4ExpForCausalLM.load_weights = load_weights
-    if "--skip-kernel-check" in sys.argv:  # load-only: this host may have no kernel for the format
+    if "--skip-kernel-check" in argv:  # load-only: this host may have no kernel for the format
         adapter.check_cpu_kernels = lambda quantized: None
-    if "--force-int4-moe-backend" in sys.argv:
+    if "--force-int4-moe-backend" in argv:
         from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt4
         from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
         from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
@@ -88,5 +93,34 @@ def main() -> None:
     os._exit(0)  # skip vLLM's shutdown of a half-built engine
 
 
+def serve() -> None:
+    """Probes on request, each in a child forked from this process after the imports."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import vllm  # noqa: F401 - imported once, before any fork
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe  # noqa: F401
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (  # noqa: F401
+        compressed_tensors_moe_wna16,
+    )
+
+    from model.ours import model  # noqa: F401
+    from model.runtime import quant_checks  # noqa: F401
+
+    print("PROBE_READY", flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        pid = os.fork()
+        if pid == 0:
+            try:
+                main(json.loads(line))
+            finally:
+                os._exit(1)  # main() exits 0 itself; only an escaped exception gets here
+        _, status = os.waitpid(pid, 0)
+        print(f"PROBE_DONE {os.waitstatus_to_exitcode(status)}", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        main(sys.argv[1:])

@@ -10,12 +10,16 @@ our start-up check reports instead of a failure at the first request.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import queue
 import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -27,19 +31,65 @@ from tests.conftest import ROOT
 from .conftest import CASES, DENSE_INT4_CASES, cpu_library_has
 
 
+class _ProbeServer:
+    """One ``load_probe --serve`` process for every probe of the session: it imports vLLM once and
+    forks a child per probe (``tests/quant/load_probe.py``), which saves the import each probe
+    would otherwise pay in a process of its own."""
+
+    def __init__(self) -> None:
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("VLLM_QSA_", "VLLM_PLE_", "QWEN4EXP_"))
+        }
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(ROOT / ".cache" / "vllm"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.quant.load_probe", "--serve"],
+            cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self._until("PROBE_READY", 400)
+        atexit.register(self.close)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def _until(self, marker: str, timeout: float) -> list[str]:
+        seen: list[str] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                raise AssertionError(f"no {marker} within {timeout} s:\n" + "\n".join(seen[-60:])) from None
+            if line is None:
+                raise AssertionError(f"the probe server exited before {marker}:\n" + "\n".join(seen[-60:]))
+            if line.startswith(marker):
+                return seen
+            seen.append(line)
+
+    def run(self, args: list[str]) -> list[str]:
+        self.proc.stdin.write(json.dumps(args) + "\n")
+        self.proc.stdin.flush()
+        return self._until("PROBE_DONE", 400)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(30)
+
+
+_server: _ProbeServer | None = None
+
+
 def probe(path, *flags: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_QSA_", "VLLM_PLE_", "QWEN4EXP_"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CACHE_ROOT=str(ROOT / ".cache" / "vllm"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.quant.load_probe", str(path), *flags],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    marker = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE_JSON=")]
-    assert marker, f"probe printed no result:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    global _server
+    if _server is None or _server.proc.poll() is not None:
+        _server = _ProbeServer()
+    out = _server.run([str(path), *flags])
+    marker = [ln for ln in out if ln.startswith("PROBE_JSON=")]
+    assert marker, "probe printed no result:\n" + "\n".join(out[-80:])
     return json.loads(marker[-1].removeprefix("PROBE_JSON="))
 
 

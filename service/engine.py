@@ -119,6 +119,7 @@ OWNED_PARAMS = {
     "max_num_seqs": "QWEN4EXP_MAX_NUM_SEQS",
     "kv_cache_memory_bytes": "QWEN4EXP_KV_CACHE_MEMORY_BYTES",
     "speculative_config": "QWEN4EXP_SPECULATIVE",
+    "enable_expert_parallel": "QWEN4EXP_EXPERT_PARALLEL",
     "chat_template": "QWEN4EXP_CHAT_TEMPLATE",
     "enforce_eager": "QWEN4EXP_ENFORCE_EAGER",
     "allowed_media_domains": "QWEN4EXP_ALLOWED_MEDIA_DOMAINS",
@@ -221,6 +222,8 @@ def resolve_deployment(settings: ServiceSettings, device: str) -> Deployment:
         "%s",
         deployment.speculative_note,
     )
+    if deployment.expert_parallel_note:
+        log.info("%s", deployment.expert_parallel_note)
     if deployment.cpu_threads_bind is not None or deployment.cpu_kv_cache_bytes is not None:
         log.info(
             "%d ranks on vLLM's CPU build: cores %s, %s bytes of KV cache each",

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from model.deployment import implementation, speculative
+from model.deployment import expert_layout, implementation, speculative
 from model.qsa_kv.settings import QSAKVSettings
 from model.runtime import additional_config, envs
 
@@ -78,6 +78,8 @@ class Deployment:
     speculative: speculative.Speculative | None = None  # QWEN4EXP_SPECULATIVE and its companions
     speculative_note: str = ""  # why speculation runs as it does (or not), for the start-up log
     speculative_declined: bool = False  # a method asked for by name is not served (our implementation)
+    expert_parallel: bool = False  # QWEN4EXP_EXPERT_PARALLEL: whole experts per rank
+    expert_parallel_note: str = ""  # why (for the start-up log; empty when nothing to say)
 
     @property
     def upstream(self) -> bool:
@@ -116,6 +118,8 @@ class Deployment:
             argv += ["--kv-cache-memory-bytes", str(self.cpu_kv_cache_bytes)]
         if self.speculative is not None:
             argv += ["--speculative-config", json.dumps(self.speculative.vllm_config(), sort_keys=True)]
+        if self.expert_parallel:
+            argv.append("--enable-expert-parallel")
         return argv
 
     def child_environment(self) -> dict[str, str]:
@@ -222,6 +226,10 @@ def resolve(
             env, tensor_parallel_size, cpus, memory_available, kv_cache_memory_bytes, problems
         )
     speculative_request = (read(envs.SPECULATIVE), read(envs.SPECULATIVE_TOKENS), read(envs.NGRAM_WINDOW))
+    expert_parallel, expert_parallel_note, layout_problems = expert_layout.choose(
+        read(envs.EXPERT_PARALLEL), config, tp=tensor_parallel_size, cuda=cuda
+    )
+    problems += layout_problems
     if problems:
         raise DeploymentError("\n".join(problems))
 
@@ -258,6 +266,8 @@ def resolve(
         speculative=drafting,
         speculative_note=drafting_note,
         speculative_declined=speculative.declined(speculative_request[0], drafting),
+        expert_parallel=expert_parallel,
+        expert_parallel_note=expert_parallel_note,
     )
 
 

@@ -109,6 +109,16 @@ parse_speculative = choice_parser(
 MAX_SPECULATIVE_TOKENS = 8
 
 
+def parse_expert_parallel(name: str, raw: str) -> str:
+    """``auto``, or a flag's spellings turned into ``on`` / ``off``."""
+    v = raw.strip().lower()
+    if v == "auto":
+        return v
+    if v in _TRUE or v in _FALSE:
+        return "on" if v in _TRUE else "off"
+    raise EnvError(f"{name}={raw!r} is not a valid value: use auto, on or off (true/false, 1/0)")
+
+
 def parse_draft_tokens(name: str, raw: str) -> int:
     try:
         value = int(raw.strip())
@@ -198,6 +208,7 @@ SPECULATIVE = "QWEN4EXP_SPECULATIVE"
 SPECULATIVE_TOKENS = "QWEN4EXP_SPECULATIVE_TOKENS"
 NGRAM_WINDOW = "QWEN4EXP_NGRAM_WINDOW"
 FORCE_SM86 = "QWEN4EXP_FORCE_SM86"
+EXPERT_PARALLEL = "QWEN4EXP_EXPERT_PARALLEL"
 
 DEFAULT_COLLECT_INTERVAL_S = 30.0
 
@@ -368,6 +379,19 @@ VARIABLES: tuple[EnvVar, ...] = (
         "With `QWEN4EXP_SPECULATIVE=ngram`: the shortest and longest n-gram (`MIN-MAX`) matched against "
         "earlier text to draft the continuation (vLLM's `prompt_lookup_min`/`prompt_lookup_max`).",
         "use MIN-MAX with 1 <= MIN <= MAX <= 16 (e.g. 2-4), or unset it (2-4)",
+    ),
+    EnvVar(
+        EXPERT_PARALLEL,
+        parse_expert_parallel,
+        "auto",
+        "`auto`",
+        "With several GPUs: `on` gives each rank `num_experts / TP` whole routed experts (vLLM's "
+        "`--enable-expert-parallel`) instead of a `1/TP` slice of every expert; the same bytes, other "
+        "kernel shapes, the same all-reduce. `auto` takes it where Marlin (int4/FP8 experts on a 3090) "
+        "cannot run the slices, e.g. 640-wide experts at TP=4 (160 per rank, no multiple of the int4 "
+        "group 128), and logs why; elsewhere it keeps the slices (at batch 1 the rank holding most of a "
+        "token's experts sets the pace). `off` where only whole experts fit stops start-up naming the fix.",
+        "use auto, on or off, or unset it (auto)",
     ),
     EnvVar(
         FORCE_SM86,

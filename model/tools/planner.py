@@ -37,13 +37,15 @@ activation/CUDA-graph reserve per GPU and the host memory of each process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from model.deployment import expert_layout
 from model.ple.format import table_format_of
 from model.tools.planner_quant import ExpertFormat, checkpoint_expert_format, expert_bytes_per_rank
 
@@ -142,8 +144,15 @@ class WeightPart:
     sharding: str
 
 
-def weights_per_rank(config, tp: int, expert_format: str | ExpertFormat = "bf16") -> list[WeightPart]:
-    """The parameters one tensor-parallel rank allocates, by part (dense parts in bf16)."""
+def weights_per_rank(
+    config, tp: int, expert_format: str | ExpertFormat = "bf16", *, expert_parallel: bool = False
+) -> list[WeightPart]:
+    """The parameters one tensor-parallel rank allocates, by part (dense parts in bf16).
+
+    ``expert_parallel`` (vLLM's ``--enable-expert-parallel``): each rank holds ``num_experts / tp``
+    whole routed experts instead of a ``1 / tp`` slice of every expert's intermediate width. The
+    bytes are the same up to the int4 scales' rounding; what changes is the matrices each MoE kernel
+    sees (a 3090's Marlin tiles need the per-rank widths to divide, checked by the planner)."""
     fmt = expert_format if isinstance(expert_format, ExpertFormat) else ExpertFormat(expert_format)
     c = config
     H = c.hidden_size
@@ -200,13 +209,16 @@ def weights_per_rank(config, tp: int, expert_format: str | ExpertFormat = "bf16"
     # MoE (Qwen3NextSparseMoeBlock): routed experts and shared expert sharded on the intermediate
     # dim, router and shared-expert gate replicated.
     E, I_, Is = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
-    i_r = shard(I_, tp, "moe_intermediate_size")
-    routed = E * (2 * i_r * H + H * i_r)
+    if expert_parallel and tp > 1:
+        e_r, i_r, how = shard(E, tp, "num_experts"), I_, f"expert-parallel ({E // tp} whole experts per rank)"
+    else:
+        e_r, i_r, how = E, shard(I_, tp, "moe_intermediate_size"), "TP-sharded (intermediate)"
+    routed = e_r * (2 * i_r * H + H * i_r)
     add(
         f"routed experts ({fmt.label()})",
         n_layers * routed,
-        "TP-sharded (intermediate)",
-        n_layers * expert_bytes_per_rank(E, i_r, H, fmt),
+        how,
+        n_layers * expert_bytes_per_rank(e_r, i_r, H, fmt),
     )
     is_r = shard(Is, tp, "shared_expert_intermediate_size")
     add("shared expert", n_layers * 3 * is_r * H, "TP-sharded")
@@ -402,6 +414,30 @@ def capacity(cache: CachePlan, kv_cache_bytes: int, seq_len: int) -> Capacity:
 
 
 # ------------------------------------------------------------------------------------------------
+# Marlin's tiles (the 3090's kernel for int4 and FP8 experts)
+# ------------------------------------------------------------------------------------------------
+
+
+def marlin_moe_misfit(config, tp: int, expert: ExpertFormat, expert_parallel: bool) -> str | None:
+    """Why vLLM's fused-MoE Marlin kernel cannot run this rank's experts, or None if it can
+    (:func:`model.deployment.expert_layout.marlin_misfit`, the rule the deployment applies too)."""
+    if expert.name == "bf16":
+        return None
+    group = expert.group if expert.name == "int4" else -1
+    H, I_ = config.hidden_size, config.moe_intermediate_size
+    sliced = not expert_parallel and tp > 1
+    problems = expert_layout.marlin_misfit(H, I_ // tp if sliced else I_, group)
+    if not problems:
+        return None
+    fix = (
+        "serve with expert parallelism (QWEN4EXP_EXPERT_PARALLEL=auto or on, planner --expert-parallel)"
+        if sliced and not expert_layout.marlin_misfit(H, I_, group)
+        else "use another group size or TP size"
+    )
+    return f"{expert.label()} experts: Marlin cannot run them ({'; '.join(problems)}); {fix}"
+
+
+# ------------------------------------------------------------------------------------------------
 # The whole plan
 # ------------------------------------------------------------------------------------------------
 
@@ -428,6 +464,7 @@ class Options:
     mamba_ssm_dtype: str = "auto"
     ple_format: str | None = None  # default: the checkpoint's
     ple_on_device: bool = False  # VLLM_PLE_CPU_OFFLOAD=0
+    expert_parallel: bool | None = None  # QWEN4EXP_EXPERT_PARALLEL: on, off, None = auto (as the service)
     worker_host_gib: float = 4.0  # per GPU worker: CUDA context, torch, staging (assumed)
     frontend_host_gib: float = 4.0  # API server + engine core (assumed)
     os_reserve_gib: float = 8.0  # kernel, page cache for streaming checkpoint shards (assumed)
@@ -458,6 +495,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     expert_format: str = ""  # routed-expert format planned, and whether the checkpoint stores it
     expert_name: str = "bf16"  # that format's name (bf16 | fp8 | int4), for the speed estimate
+    expert_parallel: bool = False  # whole experts per rank (decided as the service's auto decides)
 
 
 def make_plan(config_path: str | Path, machine: Machine, options: Options) -> Plan:
@@ -474,11 +512,28 @@ def make_plan(config_path: str | Path, machine: Machine, options: Options) -> Pl
         expert = stored if stored.name != "bf16" else formats["int4"]
     else:
         expert = formats[options.expert_weights]
-    parts = weights_per_rank(config, tp, expert)
+    cuda = options.device == "cuda"
+    ep = options.expert_parallel
+    auto_note = None
+    if ep is None:  # QWEN4EXP_EXPERT_PARALLEL=auto: whole experts where Marlin cannot take the slices
+        sliced = marlin_moe_misfit(config, tp, expert, False) if cuda else None
+        ep = bool(sliced) and tp > 1 and marlin_moe_misfit(config, tp, expert, True) is None
+        if ep:
+            auto_note = (
+                f"expert parallelism planned (QWEN4EXP_EXPERT_PARALLEL=auto): {sliced.split('; serve')[0]}"
+            )
+    misfit = marlin_moe_misfit(config, tp, expert, ep) if cuda else None
+    try:
+        parts = weights_per_rank(config, tp, expert, expert_parallel=ep)
+    except ValueError as exc:  # int4 groups that do not tile the per-rank width: no plan at all
+        raise ValueError(misfit or str(exc)) from exc
     w_bytes = sum(p.bytes_per_rank for p in parts)
-    by_format = {
-        f: sum(p.bytes_per_rank for p in weights_per_rank(config, tp, x)) / GIB for f, x in formats.items()
-    }
+    by_format = {}
+    for f, x in formats.items():
+        with contextlib.suppress(ValueError):  # a format this layout cannot hold is left out
+            by_format[f] = (
+                sum(p.bytes_per_rank for p in weights_per_rank(config, tp, x, expert_parallel=ep)) / GIB
+            )
     full = weights_per_rank(config, 1, "bf16")
     ple = ple_tables(config, tp)
     stored_ple_fmt = table_format_of(config)  # the loader's reader: refuses what the engine refuses
@@ -510,6 +565,10 @@ def make_plan(config_path: str | Path, machine: Machine, options: Options) -> Pl
     recommended = next((f for f in PLE_FORMATS if host_needed[f] <= usable), None)
     chosen = host_needed[ple_fmt]
     notes: list[str] = []
+    if misfit:
+        notes.append(misfit)
+    if auto_note:
+        notes.append(auto_note)
     if expert.name != stored.name:
         notes.append(
             f"the checkpoint stores {stored.label()} routed experts; this plan assumes {expert.label()} "
@@ -548,6 +607,7 @@ def make_plan(config_path: str | Path, machine: Machine, options: Options) -> Pl
         notes=notes,
         expert_format=f"{expert.label()} ({'checkpoint' if expert == stored else 'planned'})",
         expert_name=expert.name,
+        expert_parallel=ep,
     )
 
 
@@ -708,14 +768,39 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--ple-format", choices=PLE_FORMATS, help="default: the checkpoint's ple_embedding_dtype")
     p.add_argument("--ple-on-device", action="store_true", help="VLLM_PLE_CPU_OFFLOAD=0")
+    p.add_argument(
+        "--expert-parallel",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="QWEN4EXP_EXPERT_PARALLEL: whole routed experts per rank (on), slices (off), or as the "
+        "service decides (auto: whole where Marlin cannot run the slices)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument(
         "--speed",
         metavar="FILE",
         help="JSON of bench/bench_real_shape.py: print a decode-speed estimate for RTX 3090s at this TP",
     )
-    p.add_argument("--allreduce-latency-us", type=float, help="--speed: time per PCIe all-reduce call, us")
-    p.add_argument("--allreduce-busbw-gbps", type=float, help="--speed: PCIe all-reduce bus bandwidth, GB/s")
+    p.add_argument(
+        "--measured-config",
+        help="--speed: the config whose one rank the measurement ran (default: CONFIG; another model of "
+        "the family takes its layers, bytes and collectives from CONFIG and the overhead per layer from this)",
+    )
+    p.add_argument("--link", choices=("p2p", "no-p2p"), default="no-p2p", help="--speed: how the GPUs talk")
+    p.add_argument("--allreduce-latency-us", type=float, help="--speed: time per all-reduce call, us")
+    p.add_argument("--allreduce-busbw-gbps", type=float, help="--speed: all-reduce bus bandwidth, GB/s")
+    p.add_argument("--memory-efficiency", type=float, help="--speed: attainable fraction of peak bandwidth")
+    p.add_argument(
+        "--overhead-scale",
+        type=float,
+        help="--speed: the measured step's non-memory time on a 3090 relative to the measuring GPU "
+        "(default: both ends, 1 and the SM-throughput ratio)",
+    )
+    p.add_argument(
+        "--batches",
+        type=lambda v: [int(x) for x in v.split(",")],
+        help="--speed: e.g. 1,4,16 (default: measured)",
+    )
     a = p.parse_args(argv)
     if a.speed and a.json:
         p.error("--speed prints a markdown estimate after the markdown plan; leave out --json")
@@ -734,6 +819,7 @@ def main(argv: list[str] | None = None) -> int:
         mamba_ssm_dtype=a.mamba_ssm_dtype,
         ple_format=a.ple_format,
         ple_on_device=a.ple_on_device,
+        expert_parallel={"auto": None, "on": True, "off": False}[a.expert_parallel],
     )
     try:
         plan = make_plan(a.config, machine, options)
@@ -748,24 +834,42 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_speed(a: argparse.Namespace, plan: Plan) -> int:
     """``--speed``: the measured one-rank step turned into this machine's decode speed, printed
-    after the memory plan because both answer "what will this node do" for the same config."""
-    from model.tools import planner_speed
+    after the memory plan because both answer "what will this node do" for the same config. Without
+    ``--overhead-scale``, at both ends of its range: which share of the measured overhead a 3090
+    pays alike and which it pays slower is not known."""
+    from model.tools import planner_speed as ps
 
+    link = ps.LINKS[a.link]
+    link = replace(
+        link,
+        latency_us=link.latency_us if a.allreduce_latency_us is None else a.allreduce_latency_us,
+        busbw_gbps=a.allreduce_busbw_gbps or link.busbw_gbps,
+    )
+    scales = [a.overhead_scale] if a.overhead_scale is not None else [1.0, ps.SM_THROUGHPUT_RATIO]
+    config = load_config(a.config)
     try:
         measured = json.loads(Path(a.speed).read_text())
-        est = planner_speed.estimate_rtx3090_tp4(
-            measured,
-            load_config(a.config),
-            weights_per_rank=weights_per_rank,
-            expert_format=plan.expert_name,
-            tp=plan.tp,
-            latency_us=a.allreduce_latency_us or planner_speed.ALLREDUCE_LATENCY_US,
-            busbw_gbps=a.allreduce_busbw_gbps or planner_speed.ALLREDUCE_BUSBW_GBPS,
-        )
+        measured_config = load_config(a.measured_config) if a.measured_config else config
+        for scale in scales:
+            est = ps.estimate_rtx3090(
+                measured,
+                measured_config,
+                config,
+                weights_per_rank=weights_per_rank,
+                tp=plan.tp,
+                expert_parallel=plan.expert_parallel,
+                expert_format=plan.expert_name,
+                batches=a.batches,
+                inputs=ps.Inputs(
+                    memory_efficiency=a.memory_efficiency or ps.MEMORY_EFFICIENCY,
+                    overhead_scale=scale,
+                    link=link,
+                ),
+            )
+            sys.stdout.write("\n" + ps.render_estimate(est))
     except (ValueError, OSError, KeyError) as exc:
         print(f"planner: --speed {a.speed}: {exc}", file=sys.stderr)
         return 2
-    sys.stdout.write("\n" + planner_speed.render_estimate(est))
     return 0
 
 

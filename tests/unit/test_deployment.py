@@ -191,3 +191,44 @@ def test_several_ranks_on_the_cpu_build_get_their_own_cores_and_a_share_of_memor
         R.DeploymentError, match="QWEN4EXP_TENSOR_PARALLEL_SIZE=4 on vLLM's CPU build needs a core"
     ):
         R.resolve({}, cpu_build=True, tensor_parallel_size=4, cpus=(0, 1))
+
+
+def _int4_config(width: int) -> dict:
+    """config.json of a TP=4 checkpoint with int4 (group 128) experts ``width`` wide."""
+    config = json.loads((ROOT / "deploy" / "qwen4-exp-config.example.json").read_text())
+    config["moe_intermediate_size"] = width
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "config_groups": {
+            "group_0": {
+                "targets": [r"re:^model\.layers\.\d+\.mlp\.experts\.\d+\.gate_proj$"],
+                "weights": {"num_bits": 4, "type": "int", "group_size": 128},
+            }
+        },
+    }
+    return config
+
+
+def test_auto_serves_whole_experts_where_marlin_cannot_take_the_slices():
+    """640-wide int4 experts at TP=4 are 160 per rank, which no group of 128 tiles: ``auto`` gives each
+    rank whole experts and says why; 512-wide ones (128 per rank) keep the slices."""
+    wide = R.resolve({}, cpu_build=False, config=_int4_config(640), gpu=A3090, tensor_parallel_size=4)
+    assert wide.expert_parallel and "--enable-expert-parallel" in wide.engine_args()
+    assert "160" in wide.expert_parallel_note
+    fits = R.resolve({}, cpu_build=False, config=_int4_config(512), gpu=A3090, tensor_parallel_size=4)
+    assert not fits.expert_parallel and "--enable-expert-parallel" not in fits.engine_args()
+    on = R.resolve({envs.EXPERT_PARALLEL: "true"}, cpu_build=False, config=_int4_config(512), gpu=A3090,
+                   tensor_parallel_size=4)  # fmt: skip
+    assert on.expert_parallel
+    one_rank = R.resolve({envs.EXPERT_PARALLEL: "on"}, cpu_build=False, config=_int4_config(640), gpu=A3090)
+    assert not one_rank.expert_parallel and "nothing to split" in one_rank.expert_parallel_note
+    # The deployment travels to vLLM's processes whole, the new field with it.
+    assert R.from_json(json.loads(json.dumps(R._to_json(wide)))) == wide
+
+
+def test_expert_parallelism_off_where_only_whole_experts_fit_stops_start_up_naming_the_fix():
+    with pytest.raises(R.DeploymentError, match="QWEN4EXP_EXPERT_PARALLEL=off: Marlin cannot run"):
+        R.resolve({envs.EXPERT_PARALLEL: "off"}, cpu_build=False, config=_int4_config(640), gpu=A3090,
+                  tensor_parallel_size=4)  # fmt: skip
+    with pytest.raises(R.DeploymentError, match="QWEN4EXP_EXPERT_PARALLEL='sideways'"):
+        R.resolve({envs.EXPERT_PARALLEL: "sideways"}, cpu_build=False, gpu=A3090)

@@ -1,8 +1,9 @@
 """The decode-speed estimate's arithmetic, its planner hook, and the bench that feeds it.
 
-Why: the 4x RTX 3090 estimate scales a one-GPU measurement of the ``real-rank`` preset, which is
-only sound if that preset's bytes per step are what one rank of the full model at TP=4 reads, and
-if the estimate moves the right way with each assumption it takes as input.
+Why: the 4x RTX 3090 estimate splits a one-GPU measurement of the ``real-rank`` preset into memory
+time and overhead, which is only sound if that preset's bytes per step are what one rank of the full
+model at TP=4 reads, if expert parallelism is priced by the busiest rank, and if the estimate moves
+the right way with each input it takes.
 """
 
 from __future__ import annotations
@@ -12,22 +13,30 @@ import importlib.util
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from transformers import Qwen4ExpTextConfig
 
 from model.tools.checkpoints import preset_spec
-from model.tools.planner import load_config, weights_per_rank
+from model.tools.planner import load_config, marlin_moe_misfit, weights_per_rank
+from model.tools.planner_quant import ExpertFormat
 from model.tools.planner_speed import (
+    LINKS,
+    SM_THROUGHPUT_RATIO,
+    Inputs,
     decode_bytes_per_step,
-    estimate_rtx3090_tp4,
+    estimate_rtx3090,
     expected_distinct_experts,
+    expected_max_experts_on_a_rank,
+    fit_overhead,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
 FULL = ROOT / "deploy" / "qwen4-exp-config.example.json"
 BENCH = ROOT / "bench" / "bench_real_shape.py"
+SIBLING = ROOT / "bench" / "data" / "qwen38-flash-next-text-config.json"
 MEASURED = {
     "gpu": "NVIDIA H200",
     "hbm_gbps": 4800.0,
@@ -84,33 +93,92 @@ def test_int4_experts_read_fewer_bytes_and_larger_batches_read_more_experts(full
 
 
 def _tok_s(full, **kw):
-    est = estimate_rtx3090_tp4(MEASURED, full, weights_per_rank=weights_per_rank, **kw)
+    est = estimate_rtx3090(MEASURED, full, full, weights_per_rank=weights_per_rank, **kw)
     return {r.batch: r.tok_s for r in est.rows}
 
 
-def test_estimate_is_monotone_in_bandwidth_and_latency(full):
+def test_estimate_is_monotone_in_each_input(full):
     base = _tok_s(full)
     assert sorted(base) == [1, 16, 64]
-    faster_mem = _tok_s(full, rtx3090_gbps=1500.0)
-    slower_link = _tok_s(full, busbw_gbps=2.0)
-    more_latency = _tok_s(full, latency_us=100.0)
-    no_latency = _tok_s(full, latency_us=0.0)
-    for b in base:
-        assert faster_mem[b] > base[b]
-        assert slower_link[b] < base[b]
-        assert more_latency[b] < base[b] < no_latency[b]
-        # Never faster than the measuring GPU, which has 5x the bandwidth and no collectives.
+    link = LINKS["no-p2p"]
+    variants = {
+        "faster memory": (_tok_s(full, inputs=Inputs(rtx3090_gbps=1500.0)), 1),
+        "more efficient memory": (_tok_s(full, inputs=Inputs(memory_efficiency=0.95)), 1),
+        "slower link": (_tok_s(full, inputs=Inputs(link=replace(link, busbw_gbps=2.0))), -1),
+        "more latency": (_tok_s(full, inputs=Inputs(link=replace(link, latency_us=100.0))), -1),
+        "peer-to-peer": (_tok_s(full, inputs=Inputs(link=LINKS["p2p"])), 1),
+        "slower SMs": (_tok_s(full, inputs=Inputs(overhead_scale=SM_THROUGHPUT_RATIO)), -1),
+    }
+    for name, (got, sign) in variants.items():
+        for b in base:
+            assert (got[b] - base[b]) * sign > 0, (name, b)
+    for b in base:  # never faster than the measuring GPU, which has 5x the bandwidth and no collectives
         assert base[b] < MEASURED["results"][1]["tps"][str(b)]
-    est = estimate_rtx3090_tp4(MEASURED, full, weights_per_rank=weights_per_rank)
+    est = estimate_rtx3090(MEASURED, full, full, weights_per_rank=weights_per_rank)
     assert all(r.tok_s <= r.bound_tok_s for r in est.rows)
 
 
+def test_the_overhead_fit_reproduces_the_measured_steps(full):
+    """Memory time + fitted overhead at the measuring GPU's own bandwidth gives back each measured
+    step (to the fit's residual): the split loses nothing of what was measured."""
+    row = MEASURED["results"][1]
+    over = fit_overhead(row, full, 4, weights_per_rank=weights_per_rank, hbm_gbps=4800.0, efficiency=0.85)
+    assert over.per_expert_s > 0  # larger batches touch more experts and cost more per layer
+    for b, per_layer in over.points.items():
+        fitted = over.per_layer(expected_distinct_experts(512, 10, b))
+        assert fitted == pytest.approx(per_layer, rel=0.15), b
+    h200 = Inputs(rtx3090_gbps=4800.0, overhead_scale=1.0, link=replace(LINKS["p2p"], latency_us=0.0))
+    for b, tok_s in _tok_s(full, inputs=h200, tp=1).items():
+        assert tok_s == pytest.approx(row["tps"][str(b)], rel=0.2), b
+
+
+def test_expert_parallel_keeps_the_bytes_and_prices_the_busiest_rank(full):
+    tp_parts = {p.name: p.bytes_per_rank for p in weights_per_rank(full, 4, "int4")}
+    ep_parts = {p.name: p.bytes_per_rank for p in weights_per_rank(full, 4, "int4", expert_parallel=True)}
+    assert ep_parts == pytest.approx(tp_parts, rel=0.01)  # same bytes up to the scales' rounding
+    # One token's 10 experts over 4 ranks of 128: the busiest rank holds more than the mean 2.5.
+    most = expected_max_experts_on_a_rank(512, 10, 4)
+    assert 2.5 < most < 10
+    assert expected_max_experts_on_a_rank(512, 10, 1) == pytest.approx(10)
+    ep1 = _bytes_ep(full, 1)
+    assert ep1.experts_read == pytest.approx(most)
+    assert ep1.total > _bytes(full, 4, "int4").total  # whole experts: the straggler reads more at batch 1
+    assert _bytes_ep(full, 64).experts_read == pytest.approx(expected_distinct_experts(512, 10, 64) / 4)
+
+
+def _bytes_ep(config, batch):
+    return decode_bytes_per_step(
+        config, 4, "int4", weights_per_rank=weights_per_rank, batch=batch, expert_parallel=True
+    )
+
+
+def test_marlin_refuses_the_sibling_at_tp4_without_expert_parallelism():
+    """The sibling's experts are 640 wide: a quarter (160) is no multiple of the int4 group (128), so
+    Marlin cannot take TP-sharded experts and expert parallelism is the layout that serves them;
+    the planner says so instead of planning a deployment vLLM would refuse."""
+    sibling, int4 = load_config(SIBLING), ExpertFormat("int4")
+    why = marlin_moe_misfit(sibling, 4, int4, expert_parallel=False)
+    assert "160" in why and "QWEN4EXP_EXPERT_PARALLEL=auto or on" in why
+    assert marlin_moe_misfit(sibling, 4, int4, expert_parallel=True) is None
+    assert marlin_moe_misfit(load_config(FULL), 4, int4, expert_parallel=False) is None
+    planner = [sys.executable, "-m", "model.tools.planner", str(SIBLING), "--expert-parallel"]
+    off = subprocess.run([*planner, "off"], cwd=ROOT, capture_output=True, text=True)
+    assert off.returncode == 2 and "QWEN4EXP_EXPERT_PARALLEL=auto or on" in off.stderr
+    auto = subprocess.run([*planner, "auto"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "expert-parallel (128 whole experts per rank)" in auto
+    assert "expert parallelism planned (QWEN4EXP_EXPERT_PARALLEL=auto)" in auto
+    ours = subprocess.run(
+        [*planner[:3], str(FULL)], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert "TP-sharded (intermediate)" in ours  # auto keeps the slices where they fit
+
+
 def test_estimate_picks_the_served_row_and_refuses_a_measurement_where_nothing_ran(full):
-    est = estimate_rtx3090_tp4(MEASURED, full, weights_per_rank=weights_per_rank)
+    est = estimate_rtx3090(MEASURED, full, full, weights_per_rank=weights_per_rank)
     assert est.source == "served/int4" and est.expert_format == "int4"
     assert any("936" in a for a in est.assumptions)
     with pytest.raises(ValueError, match="no variant that ran"):
-        estimate_rtx3090_tp4({"results": [MEASURED["results"][0]]}, full, weights_per_rank=weights_per_rank)
+        estimate_rtx3090({"results": [MEASURED["results"][0]]}, full, full, weights_per_rank=weights_per_rank)
 
 
 def test_planner_prints_the_estimate_beside_the_memory_table(tmp_path):
@@ -126,6 +194,8 @@ def test_planner_prints_the_estimate_beside_the_memory_table(tmp_path):
             str(speed),
             "--allreduce-latency-us",
             "20",
+            "--batches",
+            "1,4,64",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -133,9 +203,19 @@ def test_planner_prints_the_estimate_beside_the_memory_table(tmp_path):
         check=True,
     ).stdout
     assert "## Weights per GPU" in out
-    assert "Decode speed estimate: 4x RTX 3090, TP=4 (from served/int4 on NVIDIA H200)" in out
+    title = "Decode speed estimate: 4x RTX 3090, TP=4, 40 layers (from served/int4 on NVIDIA H200)"
+    assert out.count(title) == 2  # overhead at both ends of its range
+    assert "x1.00 on the 3090" in out and f"x{SM_THROUGHPUT_RATIO:.2f} on the 3090" in out
     assert "20 us per call" in out
-    assert out.count("| 64 |") == 1
+    assert out.count("| 4 |") == 2 and out.count("| 64 |") == 2
+
+
+def test_the_published_comparison_runs_on_the_recorded_measurement():
+    out = subprocess.run(
+        [sys.executable, "bench/published_3090.py", "bench/results/real_shape_int4_h200.json"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "halt95" in out and "alesha-pro" in out and "| expert-parallel | p2p |" in out
 
 
 def test_bench_help_runs_and_the_bench_imports_nothing_from_tests():

@@ -58,6 +58,18 @@ def shut_down(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
+def start_and_stop(path, **engine_args) -> None:
+    """Start an engine on ``path`` in this process and stop it: start-up checks as a test sees them,
+    an error arriving as the exception it was raised as (no child process wraps it)."""
+    from vllm import LLM
+
+    args = dict(dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False, max_model_len=512)
+    with in_process_engine():
+        llm = LLM(model=str(path), **{**args, **engine_args})
+        shut_down(llm)
+        del llm
+
+
 def greedy_vllm(
     path, prompts: dict[str, list[int]], max_new_tokens: int, *, in_process: bool = True, **engine_args
 ) -> dict[str, list[int]]:

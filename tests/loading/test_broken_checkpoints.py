@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import ensure_checkpoint
-from tests.vllm_greedy import in_process_engine, shut_down
+from tests.vllm_greedy import start_and_stop
 
 SHARD = "model.layers.0.ple.ple_embedding.ngram_embedding.shard_{}.weight"
 
@@ -33,25 +33,9 @@ def _edit_config(path: Path, **changes) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-def _start(path: Path) -> None:
-    """Start an engine on ``path`` in this process (its errors arrive as they were raised) and stop it."""
-    from vllm import LLM
-
-    with in_process_engine():
-        llm = LLM(
-            model=str(path),
-            dtype="bfloat16",
-            enforce_eager=True,
-            enable_prefix_caching=False,
-            max_model_len=512,
-        )
-        shut_down(llm)
-        del llm
-
-
 def _fails_with(path: Path, capfd, *fragments: str) -> None:
     with pytest.raises(Exception) as info:  # noqa: PT011 - the engine wraps worker errors
-        _start(path)
+        start_and_stop(path)
     out, err = capfd.readouterr()
     text = f"{info.value}\n{out}\n{err}"
     for fragment in fragments:
@@ -97,4 +81,4 @@ def test_unbroken_copy_starts(tmp_path):
     """The copies above differ from a working checkpoint only by the injected fault."""
     path = _copy(tmp_path)
     _edit_weights(path, lambda t: None)
-    _start(path)
+    start_and_stop(path)

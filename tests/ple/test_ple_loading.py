@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import pythonpath_with
 from tests.net import free_port
-from tests.vllm_greedy import in_process_engine, shut_down
+from tests.vllm_greedy import start_and_stop
 
 REPO = Path(__file__).resolve().parents[2]
 TABLE0 = "model.layers.0.ple.ple_embedding"
@@ -281,22 +281,6 @@ def test_broken_checkpoint_fails_with_message(harness, case):
 # ------------------------------------------------------------------------------------------------
 
 
-def _start_engine(path: Path) -> None:
-    """Start an engine on ``path`` in this process (its errors arrive as they were raised) and stop it."""
-    from vllm import LLM
-
-    with in_process_engine():
-        llm = LLM(
-            model=str(path),
-            dtype="bfloat16",
-            enforce_eager=True,
-            enable_prefix_caching=False,
-            max_model_len=512,
-        )
-        shut_down(llm)
-        del llm
-
-
 @pytest.mark.parametrize(
     ("case", "env"),
     [("fp8_global_scales_differ", {}), ("malformed_offload_env", {"VLLM_PLE_CPU_OFFLOAD": "of"})],
@@ -316,7 +300,7 @@ def test_engine_start_fails_with_message(ple_checkpoints, tmp_path, capfd, monke
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(Exception) as info:  # noqa: PT011 - the engine wraps the worker's error
-        _start_engine(path)
+        start_and_stop(path)
     out, err = capfd.readouterr()
     text = f"{info.value}\n{out}\n{err}"
     for fragment in fragments:

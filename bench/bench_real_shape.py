@@ -107,7 +107,7 @@ def expert_w4a16_config(config) -> dict[str, Any]:
     """The ``quantization_config`` ``python -m model.tools.quantize --format w4a16 --scope experts``
     writes for this config, built with that module's own functions from one GDN and one QSA
     layer's tensor names (its regex families cover every layer and expert)."""
-    from model.tools.planner_quant import DEFAULT_GROUP
+    from model.runtime.expert_format import DEFAULT_GROUP
     from model.tools.quantize import Plan, ignored, quantization_config, targets
 
     if config.moe_intermediate_size % DEFAULT_GROUP or config.hidden_size % DEFAULT_GROUP:

@@ -22,8 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from model.runtime.expert_format import ExpertFormat
 from model.tools.planner import load_config, ple_tables, weights_per_rank
-from model.tools.planner_quant import ExpertFormat
 
 GB = 10**9
 EXIT_NO_SPACE = 4

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from model.runtime.expert_format import routed_expert_format
+
 MARLIN_GROUPS = (-1, 32, 64, 128)  # group sizes vLLM's MoE Marlin kernel takes (-1: per channel)
 
 
@@ -35,27 +37,29 @@ def marlin_misfit(hidden: int, width_per_rank: int, group: int) -> list[str]:
     return problems
 
 
-def quantized_expert_group(config: Mapping[str, Any]) -> int | None:
-    """The group size Marlin sees for the checkpoint's routed experts: the int4 group (compressed-tensors
-    W4A16 or GPTQ/AWQ), -1 for FP8 (Marlin's W8A16 path is per channel), None for bf16 experts."""
+def marlin_group(config: Mapping[str, Any]) -> int | None:
+    """The group size Marlin sees for the checkpoint's routed experts (config.json as a dict): the
+    int4 group, -1 for FP8 (Marlin's W8A16 path is per channel), None for bf16 experts or a
+    ``quantization_config`` whose experts no rule here reads (vLLM then decides on its own)."""
     qc = config.get("quantization_config")
     if not isinstance(qc, Mapping):
         return None
-    method = str(qc.get("quant_method", "")).lower()
-    if method == "fp8":
-        return -1
-    if method in ("gptq", "awq"):
-        return int(qc.get("group_size", 128))
-    if method == "compressed-tensors":
-        for group in (qc.get("config_groups") or {}).values():
-            targets = " ".join(map(str, group.get("targets", [])))
-            if "expert" not in targets and "Linear" not in targets:
-                continue
-            weights = group.get("weights") or {}
-            if weights.get("type") == "float":
-                return -1
-            return int(weights.get("group_size") or -1)
-    return None
+    try:
+        fmt = routed_expert_format(qc)
+    except ValueError:
+        return None
+    return None if fmt.name == "bf16" else fmt.group if fmt.name == "int4" else -1
+
+
+def slices_need_whole_experts(hidden: int, width: int, tp: int, group: int) -> list[str]:
+    """Why Marlin cannot run ``width``-wide experts sliced over ``tp`` ranks while it can run them
+    whole (empty: slices fit, or whole experts do not fit either): where ``auto`` takes expert
+    parallelism, for the deployment and the planner alike."""
+    if tp <= 1 or marlin_misfit(hidden, width, group):
+        return []
+    if width % tp:
+        return [f"moe_intermediate_size {width} does not split over {tp} ranks"]
+    return marlin_misfit(hidden, width // tp, group)
 
 
 def choose(
@@ -72,30 +76,21 @@ def choose(
             else "QWEN4EXP_EXPERT_PARALLEL: one rank holds every expert; nothing to split"
         )
         return False, note, []
-    group = quantized_expert_group(config) if cuda and config is not None else None
-    sliced_problems: list[str] = []
-    if group is not None:
-        hidden = int(config.get("hidden_size", 0))
-        width = int(config.get("moe_intermediate_size", 0))
-        sliced_problems = marlin_misfit(hidden, width // tp, group) if width % tp == 0 else [
-            f"moe_intermediate_size {width} does not split over {tp} ranks"
-        ]  # fmt: skip
-        whole_fits = not marlin_misfit(hidden, width, group)
-    else:
-        whole_fits = True
     if requested == "on":
         return True, f"expert parallelism on ({tp} ranks, whole experts per rank)", []
-    if requested == "off":
-        if sliced_problems:
-            fix = "set QWEN4EXP_EXPERT_PARALLEL=auto or on" if whole_fits else "use another TP size"
-            return False, "", [
-                f"QWEN4EXP_EXPERT_PARALLEL=off: Marlin cannot run the experts sliced over {tp} ranks "
-                f"({'; '.join(sliced_problems)}); fix: {fix}"
-            ]  # fmt: skip
+    group = marlin_group(config) if cuda and config is not None else None
+    why: list[str] = []
+    if group is not None:
+        hidden, width = int(config.get("hidden_size", 0)), int(config.get("moe_intermediate_size", 0))
+        why = slices_need_whole_experts(hidden, width, tp, group)
+    if not why:
         return False, "", []
-    if sliced_problems and whole_fits:
-        return True, (
-            f"QWEN4EXP_EXPERT_PARALLEL=auto: whole experts per rank, since Marlin cannot run them sliced over "
-            f"{tp} ranks ({'; '.join(sliced_problems)})"
-        ), []  # fmt: skip
-    return False, "", []
+    if requested == "off":
+        return False, "", [
+            f"QWEN4EXP_EXPERT_PARALLEL=off: Marlin cannot run the experts sliced over {tp} ranks "
+            f"({'; '.join(why)}); fix: set QWEN4EXP_EXPERT_PARALLEL=auto or on"
+        ]  # fmt: skip
+    return True, (
+        f"QWEN4EXP_EXPERT_PARALLEL=auto: whole experts per rank, since Marlin cannot run them sliced over "
+        f"{tp} ranks ({'; '.join(why)})"
+    ), []  # fmt: skip

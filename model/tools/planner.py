@@ -47,7 +47,7 @@ from typing import Any
 
 from model.deployment import expert_layout
 from model.ple.format import table_format_of
-from model.tools.planner_quant import ExpertFormat, checkpoint_expert_format, expert_bytes_per_rank
+from model.runtime.expert_format import ExpertFormat, checkpoint_expert_format, expert_bytes_per_rank
 
 GIB = 1 << 30
 GB = 10**9
@@ -55,7 +55,7 @@ GB = 10**9
 # Bytes per element of the dtypes the cache and states use.
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 
-# Routed-expert weight formats (model/tools/planner_quant.py): int4 = compressed-tensors W4A16, group 128
+# Routed-expert weight formats (model/runtime/expert_format.py): int4 = compressed-tensors W4A16, group 128
 # (Marlin W4A16 on sm_86); fp8 = FP8 with 128x128 block scales (W8A16 Marlin: the 3090 has no FP8
 # math). A checkpoint's own quantization_config overrides the group/block size.
 EXPERT_FORMATS = ("bf16", "fp8", "int4")
@@ -418,12 +418,17 @@ def capacity(cache: CachePlan, kv_cache_bytes: int, seq_len: int) -> Capacity:
 # ------------------------------------------------------------------------------------------------
 
 
+def _marlin_group(expert: ExpertFormat) -> int | None:
+    """The group Marlin sees for these experts: int4's group, -1 for FP8 (per channel), None for bf16."""
+    return None if expert.name == "bf16" else expert.group if expert.name == "int4" else -1
+
+
 def marlin_moe_misfit(config, tp: int, expert: ExpertFormat, expert_parallel: bool) -> str | None:
     """Why vLLM's fused-MoE Marlin kernel cannot run this rank's experts, or None if it can
     (:func:`model.deployment.expert_layout.marlin_misfit`, the rule the deployment applies too)."""
-    if expert.name == "bf16":
+    group = _marlin_group(expert)
+    if group is None:
         return None
-    group = expert.group if expert.name == "int4" else -1
     H, I_ = config.hidden_size, config.moe_intermediate_size
     sliced = not expert_parallel and tp > 1
     problems = expert_layout.marlin_misfit(H, I_ // tp if sliced else I_, group)
@@ -515,12 +520,20 @@ def make_plan(config_path: str | Path, machine: Machine, options: Options) -> Pl
     cuda = options.device == "cuda"
     ep = options.expert_parallel
     auto_note = None
-    if ep is None:  # QWEN4EXP_EXPERT_PARALLEL=auto: whole experts where Marlin cannot take the slices
-        sliced = marlin_moe_misfit(config, tp, expert, False) if cuda else None
-        ep = bool(sliced) and tp > 1 and marlin_moe_misfit(config, tp, expert, True) is None
+    if ep is None:  # QWEN4EXP_EXPERT_PARALLEL=auto, decided as the service decides it
+        group = _marlin_group(expert)
+        why = (
+            expert_layout.slices_need_whole_experts(
+                config.hidden_size, config.moe_intermediate_size, tp, group
+            )
+            if cuda and group is not None
+            else []
+        )
+        ep = bool(why)
         if ep:
             auto_note = (
-                f"expert parallelism planned (QWEN4EXP_EXPERT_PARALLEL=auto): {sliced.split('; serve')[0]}"
+                f"expert parallelism planned (QWEN4EXP_EXPERT_PARALLEL=auto): Marlin cannot run the "
+                f"{expert.label()} experts sliced over {tp} ranks ({'; '.join(why)})"
             )
     misfit = marlin_moe_misfit(config, tp, expert, ep) if cuda else None
     try:

@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from model.tools.planner_quant import ExpertFormat
+from model.runtime.expert_format import ExpertFormat
 
 GB = 10**9
 RTX3090_GBPS = 936.0  # GA102 whitepaper, Appendix A (URL in the module docstring)

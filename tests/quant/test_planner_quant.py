@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
+from model.runtime.expert_format import ExpertFormat, checkpoint_expert_format
 from model.tools.planner import GIB, Machine, Options, load_config, main, make_plan, weights_per_rank
-from model.tools.planner_quant import ExpertFormat, checkpoint_expert_format
 from tests.deploy.tools import EXAMPLE_CONFIG
 
 from .test_vllm_quant import _flags, probe

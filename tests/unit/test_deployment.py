@@ -202,7 +202,13 @@ def _int4_config(width: int) -> dict:
         "config_groups": {
             "group_0": {
                 "targets": [r"re:^model\.layers\.\d+\.mlp\.experts\.\d+\.gate_proj$"],
-                "weights": {"num_bits": 4, "type": "int", "group_size": 128},
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "strategy": "group",
+                    "group_size": 128,
+                    "symmetric": True,
+                },
             }
         },
     }

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from transformers import Qwen4ExpTextConfig
 
+from model.runtime.expert_format import ExpertFormat
 from model.tools.checkpoints import preset_spec
 from model.tools.planner import load_config, marlin_moe_misfit, weights_per_rank
-from model.tools.planner_quant import ExpertFormat
 from model.tools.planner_speed import (
     LINKS,
     SM_THROUGHPUT_RATIO,

@@ -1,8 +1,10 @@
-"""The planner's view of weight quantization: what a checkpoint stores, and what vLLM allocates for it.
+"""Routed-expert weight formats: what a checkpoint's ``quantization_config`` stores, and what vLLM
+allocates for it.
 
-Why separate from ``model.tools.planner``: the format rules (which ``quantization_config`` shapes mean
-which expert format, and the exact tensors vLLM's quantization methods allocate) are their own
-concern, and the planner test checks them against the parameters a real vLLM engine built
+Why here, below the planner and the deployment: both read the experts' format from one parser (the
+planner for memory, ``model.deployment.expert_layout`` for the experts' layout over the ranks), and
+the format rules (which ``quantization_config`` shapes mean which expert format, and the exact
+tensors vLLM's quantization methods allocate) are their own concern; the planner test checks them against the parameters a real vLLM engine built
 (``tests/quant/test_planner_quant.py``).
 
 Formats (routed experts; the dense layers are planned in bf16 and a checkpoint that quantizes them
@@ -21,7 +23,9 @@ is refused, not silently planned as bf16):
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 EXPERT_FORMATS = ("bf16", "fp8", "int4")
 DEFAULT_GROUP = 128  # int4 group size / FP8 block edge when planning a conversion
@@ -113,7 +117,8 @@ def _ct_format(weights: dict, where: str) -> ExpertFormat:
 
 
 def checkpoint_expert_format(config) -> ExpertFormat:
-    """The routed-expert format a checkpoint's ``quantization_config`` declares (bf16 when none)."""
+    """The routed-expert format a checkpoint's ``quantization_config`` declares (bf16 when none);
+    refused where it quantizes dense layers too (the planner models those in bf16)."""
     qc = getattr(config, "quantization_config", None)
     if qc is None:
         return ExpertFormat("bf16", source="checkpoint")
@@ -121,13 +126,32 @@ def checkpoint_expert_format(config) -> ExpertFormat:
         raise ValueError(f"quantization_config must be an object, got {type(qc).__name__}")
     method = str(qc.get("quant_method", "")).lower()
     if method == "compressed-tensors":
-        group = _ct_group_for(qc, _EXPERT_PROBE)
         dense = [n for n in _DENSE_PROBES if _ct_group_for(qc, n) is not None]
         if dense:
             raise ValueError(
                 f"quantization_config quantizes dense layers too ({', '.join(dense)}); the planner models "
                 "quantized routed experts with bf16 dense layers only"
             )
+        return routed_expert_format(qc)
+    fmt = routed_expert_format(qc)
+    if method == "fp8":
+        skipped = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
+        dense = [n for n in _DENSE_PROBES if not any(s in n for s in skipped)]
+        if dense:
+            raise ValueError(
+                f"quantization_config (fp8) quantizes dense layers too ({', '.join(dense)}); the planner "
+                "models quantized routed experts with bf16 dense layers only"
+            )
+    return fmt
+
+
+def routed_expert_format(qc: Mapping[str, Any]) -> ExpertFormat:
+    """The routed experts' format in a ``quantization_config`` (bf16 when it leaves them out), whatever
+    it does to the dense layers; ValueError for a format neither the planner nor Marlin's layout rules
+    know. The deployment reads the experts' layout from it too (``model.deployment.expert_layout``)."""
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        group = _ct_group_for(dict(qc), _EXPERT_PROBE)
         if group is None:
             return ExpertFormat("bf16", source="checkpoint")
         return _ct_format(group.get("weights") or {}, "quantization_config.config_groups")
@@ -136,13 +160,6 @@ def checkpoint_expert_format(config) -> ExpertFormat:
         if not block:
             raise ValueError(
                 "quantization_config (fp8) has no weight_block_size; the planner models block FP8"
-            )
-        skipped = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
-        dense = [n for n in _DENSE_PROBES if not any(s in n for s in skipped)]
-        if dense:
-            raise ValueError(
-                f"quantization_config (fp8) quantizes dense layers too ({', '.join(dense)}); the planner "
-                "models quantized routed experts with bf16 dense layers only"
             )
         return ExpertFormat("fp8", int(block[0]), source="checkpoint")
     if method in ("gptq", "awq") and qc.get("bits") == 4:

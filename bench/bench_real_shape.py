@@ -237,6 +237,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         result["tps"], result["ttft_ms"] = time_engine(
             llm, spec["batches"], spec["ttft"], spec["new_tokens"], spec["repeats"]
         )
+        if spec.get("profile"):
+            from step_profile import profile_decode
+
+            result["profile"] = profile_decode(llm, spec["profile"], spec["new_tokens"])
     return result
 
 
@@ -360,6 +364,16 @@ def render(report: dict[str, Any]) -> str:
         for base in ("upstream", "served-upstream-hc"):
             served, other = by_key.get(("served", experts)), by_key.get((base, experts))
             lines += ratio_row(served, other, base, experts, batches, ttfts)
+    for r in report["results"]:
+        if r.get("profile"):
+            from step_profile import render as render_profile
+
+            lines += [
+                "",
+                f"Batch-1 decode step of {r['variant']}/{r['experts']} (bench/step_profile.py):",
+                "",
+            ]
+            lines.append(render_profile(r["profile"]))
     return "\n".join(lines)
 
 
@@ -428,6 +442,12 @@ def main(argv: list[str] | None = None) -> int:
         help="every engine's core in its front end's process, and upstream with the hyper-connection "
         "kernels an RTX 3090 takes (its CuTe-DSL one is sm_90+ only and needs nvidia-cutlass-dsl)",
     )
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="after timing, profile batch-1 decode steps (bench/step_profile.py) into DIR/<variant>-<experts>; "
+        "implies --in-process (the profiler must see the engine core's kernels)",
+    )
     p.add_argument("--child-timeout", type=float, default=1800.0, help="seconds per engine process")
     p.add_argument("--json", help="write every number here (input of python -m model.tools.planner --speed)")
     p.add_argument("--keep-checkpoints", help=argparse.SUPPRESS)  # a directory to write them to instead
@@ -473,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--set {item!r}: the value is not JSON ({exc})")
     if args.parallel and not args.kv_cache_bytes:
         p.error("--parallel needs --kv-cache-bytes: vLLM's memory profiling fails while other engines start")
+    if args.profile:
+        args.in_process = True
     batches = [int(x) for x in args.batches.split(",")]
     ttft = [int(x) for x in args.ttft.split(",")]
     report: dict[str, Any] = {
@@ -515,6 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                     "kv_cache_bytes": args.kv_cache_bytes,
                     "timing_lock": lock,
                     "sm86_hc": args.in_process and variant == "upstream",
+                    "profile": str(Path(args.profile) / f"{variant}-{fmt}") if args.profile else None,
                     "out": str(Path(tmp) / f"{variant}-{fmt}.json"),
                 }
                 jobs.append((spec, nbytes))

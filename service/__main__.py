@@ -10,6 +10,8 @@ Nothing runs at import: vLLM's spawned workers import this module as ``__mp_main
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 
@@ -23,6 +25,7 @@ def _terminated(signum: int, frame: object) -> None:
 def main() -> int:
     signal.signal(signal.SIGTERM, _terminated)  # the run loop installs its own once it starts
     path = prometheus_dir.create()
+    vllm_logging_file = None
     try:
         from service.settings import SettingsError, load, unknown_prefixed_variables
 
@@ -31,6 +34,9 @@ def main() -> int:
         except SettingsError as exc:
             sys.stderr.write(f"service: invalid configuration:\n{exc}\n")
             return 2
+        from service import logs
+
+        logs.configure(settings.log_level, settings.log_format)  # before vLLM's first import logs
         for name in unknown_prefixed_variables():
             sys.stderr.write(f"service: warning: {name} is not a setting of this service (typo?); ignored\n")
         # vLLM sizes its request models' stop lists when they are imported: before vLLM is.
@@ -38,6 +44,15 @@ def main() -> int:
         from service.request_caps import vllm_environment
 
         export(vllm_environment(settings))
+        if settings.log_format == "json":
+            # vLLM applies its logging configuration (carried in its config) in each process it starts.
+            if os.environ.get("VLLM_LOGGING_CONFIG_PATH", "").strip():
+                logs.logging.getLogger("service").warning(
+                    "VLLM_LOGGING_CONFIG_PATH is set: vLLM's lines keep the format that file gives them"
+                )
+            else:
+                vllm_logging_file = logs.write_vllm_logging_config(settings.log_level)
+                export({"VLLM_LOGGING_CONFIG_PATH": vllm_logging_file})
 
         from service.listen import bind
 
@@ -53,6 +68,9 @@ def main() -> int:
         return run(settings, sock)
     finally:
         prometheus_dir.remove(path)
+        if vllm_logging_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(vllm_logging_file)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from .engine import generate_one_token
 from .errors import ErrorShapeMiddleware, error_body
 from .guards import Admission, ApiKeys, BearerAuth, BodyLimit
 from .lifecycle import Lifecycle, LifecycleGate, Phase
+from .logs import AccessLog
 from .request_caps import RequestCaps
 from .settings import ServiceSettings, read_keys_file
 from .time_limits import BodyTimeout, RequestDeadline
@@ -210,5 +211,9 @@ def build_app(
         log.warning("no API key configured (QWEN4EXP_API_KEYS / QWEN4EXP_API_KEYS_FILE): auth is OFF")
 
     # Outside FastAPI's own error middleware, so its 500s are reshaped and counted too.
-    asgi = http_metrics.HttpMetricsMiddleware(ErrorShapeMiddleware(app), routes=VLLM_ROUTES | OWN_ROUTES)
+    asgi: ASGIApp = http_metrics.HttpMetricsMiddleware(
+        ErrorShapeMiddleware(app), routes=VLLM_ROUTES | OWN_ROUTES
+    )
+    if settings.access_log:  # outermost: the status, bytes and time the client got
+        asgi = AccessLog(asgi)
     return app, asgi

@@ -94,6 +94,10 @@ def cli_args(
         argv += ["--chat-template", str(settings.chat_template)]
     if settings.media_domains:
         argv += ["--allowed-media-domains", *settings.media_domains]
+    if settings.otlp_traces_endpoint is not None:
+        argv += ["--otlp-traces-endpoint", settings.otlp_traces_endpoint]
+    if settings.log_format == "json":  # progress bars are not log lines
+        argv.append("--no-use-tqdm-on-load")
     if settings.enforce_eager or device == "cpu":  # no CUDA graphs on CPU; compiling only costs start time
         argv.append("--enforce-eager")
     if deployment is not None:
@@ -123,6 +127,7 @@ OWNED_PARAMS = {
     "chat_template": "QWEN4EXP_CHAT_TEMPLATE",
     "enforce_eager": "QWEN4EXP_ENFORCE_EAGER",
     "allowed_media_domains": "QWEN4EXP_ALLOWED_MEDIA_DOMAINS",
+    "otlp_traces_endpoint": "QWEN4EXP_OTLP_TRACES_ENDPOINT",
     "additional_config": "the model's variables (the service writes vLLM's additional_config)",
     "engram_config": "VLLM_PLE_CPU_OFFLOAD",
     "enable_auto_tool_choice": "QWEN4EXP_TOOL_CALL_PARSER",
@@ -286,6 +291,9 @@ VLLM_PARAMS = {
     "tool_call_parser": "QWEN4EXP_TOOL_CALL_PARSER",
     "reasoning_parser": "QWEN4EXP_REASONING_PARSER",
     "speculative_config": "QWEN4EXP_SPECULATIVE",
+    # "collect_detailed_traces requires `--otlp-traces-endpoint` to be set" (QWEN4EXP_ENGINE_ARGS'
+    # --collect-detailed-traces without an endpoint).
+    "collect_detailed_traces": "QWEN4EXP_OTLP_TRACES_ENDPOINT",
 }
 
 
@@ -409,6 +417,26 @@ def plugin_problem() -> str | None:
     return None
 
 
+def tracing_problem(settings: ServiceSettings) -> str | None:
+    """With ``QWEN4EXP_OTLP_TRACES_ENDPOINT`` set, the OpenTelemetry packages vLLM's tracing module
+    imports (API, SDK, the gRPC and HTTP OTLP exporters) must import here; vLLM would otherwise
+    refuse the flag with a traceback, or (in a worker) trace nothing without a word. Fail closed."""
+    if settings.otlp_traces_endpoint is None:
+        return None
+    from vllm.tracing import otel
+
+    if otel.is_otel_available():
+        return None
+    lines = (otel.otel_import_error_traceback or "").strip().splitlines()
+    reason = lines[-1] if lines else "not importable"
+    return (
+        f"QWEN4EXP_OTLP_TRACES_ENDPOINT={settings.otlp_traces_endpoint!r}: the OpenTelemetry packages vLLM "
+        f"exports traces with are missing ({reason}); fix: install opentelemetry-sdk and "
+        "opentelemetry-exporter-otlp (vLLM's own dependencies, in the image), or unset "
+        "QWEN4EXP_OTLP_TRACES_ENDPOINT"
+    )
+
+
 def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namespace, Deployment]:
     """Device, vLLM config, vLLM args and the resolved deployment; every problem found is
     reported together. The variables vLLM's processes need from the environment are exported
@@ -423,6 +451,9 @@ def configure_engine(settings: ServiceSettings) -> tuple[str, VllmConfig, Namesp
         problems.append(kv_problem)
     if (missing_plugin := plugin_problem()) is not None:
         problems.append(missing_plugin)
+    if (missing_tracing := tracing_problem(settings)) is not None:
+        # Now: vLLM's own check of the flag would add its traceback as a second, vaguer message.
+        raise SettingsError("\n".join([*problems, missing_tracing]))
     try:
         deployment = resolve_deployment(settings, device)
     except DeploymentError as exc:

@@ -28,7 +28,7 @@ from vllm.version import __version__ as vllm_version
 
 from model.runtime import envs
 
-from . import http_metrics
+from . import http_metrics, logs
 from .app import build_app
 from .child_environment import export
 from .engine import build_engine, configure_engine, generate_one_token
@@ -114,7 +114,11 @@ async def serve(settings: ServiceSettings, sock: socket.socket) -> int:
     config = uvicorn.Config(
         asgi,
         log_level=settings.log_level,
-        access_log=settings.log_level == "debug",
+        # Our access log (service.logs.AccessLog) instead of uvicorn's, which writes at the response's
+        # start (a stream's end unseen) and with the query string; uvicorn's own lines go through the
+        # root handler (logs.configure), in the service's format.
+        access_log=False,
+        log_config=None,
         lifespan="off",
         timeout_graceful_shutdown=2,  # after our own drain, streams still open are cut
         # h11 bounds the request line and headers it buffers (uvicorn's httptools parser does not:
@@ -210,9 +214,7 @@ async def drain(settings: ServiceSettings, lifecycle: Lifecycle) -> int:
 
 def run(settings: ServiceSettings, sock: socket.socket) -> int:
     """Serve until SIGTERM/SIGINT; the return value is the process's exit code."""
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(settings.log_level, settings.log_format)
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
     cli_env_setup()  # spawn workers, as `vllm serve` does

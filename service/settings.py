@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -73,6 +74,11 @@ FIXES: dict[str, str] = {
     "max_tool_schema_bytes": "use an integer >= 256",
     "allowed_media_domains": "use comma-separated host names (e.g. images.example.com), or leave it unset",
     "log_level": "use debug, info, warning or error",
+    "log_format": "use text or json",
+    "access_log": "use true or false",
+    "otlp_traces_endpoint": "use the collector's URL, http(s)://host:port (gRPC, the default) or "
+    "http(s)://host:port/v1/traces (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf), credentials in "
+    "OTEL_EXPORTER_OTLP_HEADERS, not the URL; or leave it unset for no traces",
 }
 
 
@@ -232,12 +238,37 @@ class ServiceSettings(BaseSettings):
         "request an internal address.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="`text`: `time LEVEL logger: message` lines; `json`: one JSON object per line (`time`, "
+        "`level`, `logger`, `message`, `pid`, the access fields), for the service's lines and vLLM's in "
+        "every process it starts (through `VLLM_LOGGING_CONFIG_PATH` unless that is set already).",
+    )
+    access_log: bool = Field(
+        True,
+        description="One info line (logger `service.access`, stderr) per HTTP request once its response has "
+        "ended (streams when they end): method, path (query: parameter names only), status, `duration_ms`, "
+        "body `bytes`, `client`, `request_id` (the client's `X-Request-Id`); never a header or key. "
+        "Successful `/health`, `/ready`, `/get_load`, `/metrics` polls are logged at debug. Written "
+        "whatever the log level.",
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="OpenTelemetry collector vLLM sends traces to (vLLM's `--otlp-traces-endpoint`): a "
+        "span per finished generation request (`llm_request`, with a client's `traceparent` as parent) "
+        "and the engine's start-up spans. gRPC by default (`http://collector:4317`; `https://` for TLS); "
+        "with `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf` the full URL "
+        "(`http://collector:4318/v1/traces`). The other `OTEL_*` variables (`OTEL_SERVICE_NAME`, "
+        "`OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_TRACES_SAMPLER`, ...) are read by the OpenTelemetry SDK. "
+        "Unset: no traces.",
+    )
 
     @field_validator(
         "device",
         "dtype",
         "kv_cache_dtype",
         "log_level",
+        "log_format",
         "tool_call_parser",
         "reasoning_parser",
         mode="before",
@@ -268,6 +299,11 @@ class ServiceSettings(BaseSettings):
         if value is None:
             return None
         return ",".join(parse_domains(value)) or None
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _otlp_url(cls, value: str | None) -> str | None:
+        return None if value is None else check_otlp_url(value)
 
     @field_validator("api_keys")
     @classmethod
@@ -305,6 +341,45 @@ class ServiceSettings(BaseSettings):
     def auth_configured(self) -> bool:
         """A key source is configured: from then on auth never turns itself off (fail closed)."""
         return self.api_keys is not None or self.api_keys_file is not None
+
+
+OTLP_TRACES_PROTOCOLS = ("grpc", "http/protobuf")  # what vLLM's tracing module accepts (vllm/tracing/otel.py)
+
+
+def check_otlp_url(value: str) -> str:
+    """``value`` if it is an OTLP collector URL the exporters take; ``ValueError`` saying why not.
+    Credentials and query strings are refused: the URL is logged with the engine flags."""
+    url = value.strip()
+    if not url or any(c.isspace() or ord(c) < 0x20 for c in url):
+        raise ValueError("empty or contains whitespace")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"scheme {parts.scheme or '(none)'!r} is not http or https")
+    if not parts.hostname:
+        raise ValueError("no host")
+    try:
+        port = parts.port  # None without one; raises for one that is not a number in 0..65535
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ValueError("the port is not a number in 1..65535")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("credentials in the URL (they would be logged)")
+    if parts.query or parts.fragment:
+        raise ValueError("a query string or fragment")
+    return url
+
+
+def otlp_protocol_problem(endpoint: str | None, env: Mapping[str, str]) -> str | None:
+    """vLLM picks its span exporter by ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` (default grpc) and raises
+    while the engine starts on any other value; say so at start-up instead."""
+    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+    if endpoint is None or protocol is None or protocol in OTLP_TRACES_PROTOCOLS:
+        return None
+    return (
+        f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL={protocol!r}: vLLM exports traces over grpc or http/protobuf only; "
+        "fix: set grpc or http/protobuf, or unset it (grpc)"
+    )
 
 
 def read_keys_file(path: Path) -> list[str]:
@@ -398,6 +473,8 @@ def load() -> tuple[ServiceSettings, SimpleNamespace]:
     problems += model_problems
     if service is not None:
         problems += _auth_problems(service)
+        if (protocol_problem := otlp_protocol_problem(service.otlp_traces_endpoint, os.environ)) is not None:
+            problems.append(protocol_problem)
         try:
             if service.auth_configured and not service.keys():
                 # Fail closed: an empty secret (a failed mount, a truncated write) must not open the API.

@@ -76,6 +76,13 @@ def choose(
             else "QWEN4EXP_EXPERT_PARALLEL: one rank holds every expert; nothing to split"
         )
         return False, note, []
+    if requested == "on" and not cuda:
+        # vLLM 0.32's CPU fused-MoE kernel (csrc/cpu/cpu_fused_moe.cpp) dies with SIGSEGV in the first
+        # step when a rank holds a share of the experts; sliced experts are the CPU build's one layout.
+        return False, (
+            f"QWEN4EXP_EXPERT_PARALLEL=on: not on vLLM's CPU build (its fused-MoE kernel crashes on a "
+            f"rank's share of the experts); every expert is sliced over the {tp} ranks instead"
+        ), []  # fmt: skip
     if requested == "on":
         return True, f"expert parallelism on ({tp} ranks, whole experts per rank)", []
     group = marlin_group(config) if cuda and config is not None else None

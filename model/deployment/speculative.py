@@ -13,6 +13,13 @@ ask it for. Why each rule:
   state that it cannot roll back over rejected drafts, so it never speculates; an explicit request
   there is served without speculation and the start-up log says why: a deployment that serves
   slower is better than one that does not start.
+* ``mtp`` there has two more reasons, named in that log line: vLLM's MTP drafter starts from the
+  target's pre-final-mixer multi-stream state (``get_mtp_target_hidden_states``), which our
+  implementation does not provide (nor does it load the ``mtp.*`` weights), and vLLM's own
+  Qwen4-Exp drafter (``Qwen4ExpMTP``, ``vllm/models/qwen4_exp/nvidia/mtp.py``) does not load on
+  vLLM's CPU build: its import needs torchvision, which the CPU wheel lacks, so vLLM's
+  speculative config fails to inspect the architecture; past that, its QSA layer refuses to be
+  built without FlashAttention, and its hyper-connection ops are Triton kernels.
 """
 
 from __future__ import annotations
@@ -119,10 +126,16 @@ def choose(
     if implementation != "upstream":
         if requested == "auto":
             return None, "speculative decoding: off (our implementation does not speculate)"
+        why_not_mtp = (
+            " and does not give vLLM's MTP drafter the multi-stream hidden state it starts from; on "
+            "vLLM's CPU build vLLM's own Qwen4-Exp MTP drafter does not load either"
+            if requested == "mtp"
+            else ""
+        )
         return None, (
             f"speculative decoding: off although {envs.SPECULATIVE}={requested}: our implementation "
             "(vLLM's CPU build, or QWEN4EXP_CUDA_MODEL=ours) cannot roll its PLE state back over rejected "
-            "drafts; serving without it"
+            f"drafts{why_not_mtp}; serving without it"
         )
     if requested == "auto":
         if not has_mtp:

@@ -390,7 +390,9 @@ VARIABLES: tuple[EnvVar, ...] = (
         "kernel shapes, the same all-reduce. `auto` takes it where Marlin (int4/FP8 experts on a 3090) "
         "cannot run the slices, e.g. 640-wide experts at TP=4 (160 per rank, no multiple of the int4 "
         "group 128), and logs why; elsewhere it keeps the slices (at batch 1 the rank holding most of a "
-        "token's experts sets the pace). `off` where only whole experts fit stops start-up naming the fix.",
+        "token's experts sets the pace). `off` where only whole experts fit stops start-up naming the fix. "
+        "vLLM's CPU build keeps the slices and logs why (its fused-MoE kernel crashes on a share of the "
+        "experts).",
         "use auto, on or off, or unset it (auto)",
     ),
     EnvVar(

@@ -934,40 +934,51 @@ def gdn_served(tp: int, autotuned: bool = True) -> Iterator[Served]:
         layernorm_guard.num_compute_units = saved
 
 
-def moe_config_on_3090(tp: int, tokens: int) -> dict[str, int]:
+def moe_rank_shape(tp: int, expert_parallel: bool) -> tuple[int, int]:
+    """(experts, expert width) one rank holds: with expert parallelism a 1/tp share of the experts at
+    full width, else every expert at 1/tp of its width (``QWEN4EXP_EXPERT_PARALLEL``)."""
+    if expert_parallel:
+        return MOE_EXPERTS // tp, MOE_INTERMEDIATE
+    return MOE_EXPERTS, MOE_INTERMEDIATE // tp
+
+
+def moe_config_on_3090(tp: int, tokens: int, expert_parallel: bool = False) -> dict[str, int]:
     """The fused-MoE config vLLM picks for bf16 experts on an RTX 3090: it looks for a tuned table
     named after the device (none ships for ``NVIDIA_GeForce_RTX_3090``) and else takes
     ``get_default_config``; reproduced by naming the device so and asking ``try_get_optimal_moe_config``."""
     from vllm.model_executor.layers.fused_moe import fused_moe
 
-    n = MOE_INTERMEDIATE // tp
+    experts, n = moe_rank_shape(tp, expert_parallel)
     saved = fused_moe.get_device_name_as_file_name
     fused_moe.get_device_name_as_file_name = lambda: RTX_3090_MOE_NAME
     fused_moe.get_moe_configs.cache_clear()
     try:
-        w1, w2 = (MOE_EXPERTS, 2 * n, HIDDEN), (MOE_EXPERTS, HIDDEN, n)
-        name = fused_moe.get_config_file_name(MOE_EXPERTS, n, None)
-        assert RTX_3090_MOE_NAME in name and fused_moe.get_moe_configs(MOE_EXPERTS, n, None) is None, name
+        w1, w2 = (experts, 2 * n, HIDDEN), (experts, HIDDEN, n)
+        name = fused_moe.get_config_file_name(experts, n, None)
+        assert RTX_3090_MOE_NAME in name and fused_moe.get_moe_configs(experts, n, None) is None, name
         return fused_moe.try_get_optimal_moe_config(w1, w2, MOE_TOPK, None, tokens)
     finally:
         fused_moe.get_device_name_as_file_name = saved
         fused_moe.get_moe_configs.cache_clear()
 
 
-def moe_served(tp: int) -> Iterator[Served]:
+def moe_served(tp: int, expert_parallel: bool = False) -> Iterator[Served]:
     """vLLM's Triton ``fused_moe_kernel`` for bf16 experts (both GEMMs of ``fused_experts_impl``) at
-    the real per-rank shapes, with the config a 3090 gets at each batch size."""
+    the real per-rank shapes, with the config a 3090 gets at each batch size. With expert
+    parallelism a rank runs its own experts at full width on every token of the step (tokens routed
+    elsewhere take no tile: their ids are -1 in the rank's expert map)."""
     import torch
     from triton import language as tlang
     from vllm.model_executor.layers.fused_moe import fused_moe
 
-    n = MOE_INTERMEDIATE // tp
+    experts, n = moe_rank_shape(tp, expert_parallel)
     bf, i32 = torch.bfloat16, torch.int32
-    w1 = torch.empty(MOE_EXPERTS, 2 * n, HIDDEN, dtype=bf, device="meta")
-    w2 = torch.empty(MOE_EXPERTS, HIDDEN, n, dtype=bf, device="meta")
+    w1 = torch.empty(experts, 2 * n, HIDDEN, dtype=bf, device="meta")
+    w2 = torch.empty(experts, HIDDEN, n, dtype=bf, device="meta")
+    layout = f"EP={tp}: {experts} experts" if expert_parallel else f"TP={tp}: {experts} experts"
     for tokens in MOE_BATCHES:
-        config = moe_config_on_3090(tp, tokens)
-        padded = tokens * MOE_TOPK + MOE_EXPERTS * (config["BLOCK_SIZE_M"] - 1)
+        config = moe_config_on_3090(tp, tokens, expert_parallel)
+        padded = tokens * MOE_TOPK + experts * (config["BLOCK_SIZE_M"] - 1)
         sorted_ids = torch.empty(padded, dtype=i32, device="meta")
         expert_ids = torch.empty(triton.cdiv(padded, config["BLOCK_SIZE_M"]), dtype=i32, device="meta")
         post_padded = torch.empty(1, dtype=i32, device="meta")
@@ -978,7 +989,7 @@ def moe_served(tp: int) -> Iterator[Served]:
             ("w13", torch.empty(tokens, HIDDEN, dtype=bf, device="meta"), w1, cache1, False, MOE_TOPK),
             ("w2", torch.empty(tokens * MOE_TOPK, n, dtype=bf, device="meta"), w2, cache3, True, 1),
         ):
-            shape = f"TP={tp}: {MOE_EXPERTS} experts, {gemm} {tuple(w.shape[1:])}, {tokens} tokens"
+            shape = f"{layout}, {gemm} {tuple(w.shape[1:])}, {tokens} tokens"
             launched = captured(
                 functools.partial(
                     fused_moe.invoke_fused_moe_triton_kernel,
@@ -1103,6 +1114,8 @@ def served_extra(all_tp: bool = False) -> Iterator[Served]:
         yield from (s for s in gdn_served(tp, autotuned=all_tp or tp == TUNED_TP) if s.launches)
     for tp in TP_SIZES:
         yield from moe_served(tp)
+    for tp in (t for t in TP_SIZES if t > 1):  # expert parallelism: whole experts per rank
+        yield from moe_served(tp, expert_parallel=True)
     yield Served(
         "int4 experts (Marlin)", "-", [], skipped="CUDA C++ (Marlin), not Triton: nothing to compile"
     )

@@ -2,7 +2,8 @@
 hyper-connections, Gated DeltaNet (vLLM's FLA port, causal conv, gated RMSNorm), the fused-MoE
 kernel for bf16 experts and the PLE kernels.
 
-At the real model's shapes per rank for TP 1, 2 and 4 and with the tiles the product picks there
+At the real model's shapes per rank for TP 1, 2 and 4 (the experts also as expert parallelism places
+them at 2 and 4: whole experts, a share of them per rank) and with the tiles the product picks there
 (``tests.kernels.sm86_compile.product_launches`` and ``served_extra``): shared memory within the
 3090's 101,376 bytes per block, no register spills reported by ptxas, and no float8 type in any
 kernel (sm_86 has no FP8 instructions; the FP8 cache is read by bit manipulation). An

@@ -217,7 +217,7 @@ def sse_events(lines) -> list:
 
 def _server_rank(item) -> int:
     names = getattr(item, "fixturenames", ())
-    if {"limited_server", "fault_server", "agent_server", "caps_server"} & set(names):
+    if {"limited_server", "fault_server", "agent_server", "caps_server", "observed_server"} & set(names):
         return 1
     if "server" in names:
         return 2

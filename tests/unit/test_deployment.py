@@ -228,6 +228,11 @@ def test_auto_serves_whole_experts_where_marlin_cannot_take_the_slices():
     assert on.expert_parallel
     one_rank = R.resolve({envs.EXPERT_PARALLEL: "on"}, cpu_build=False, config=_int4_config(640), gpu=A3090)
     assert not one_rank.expert_parallel and "nothing to split" in one_rank.expert_parallel_note
+    # vLLM's CPU fused-MoE kernel crashes on a rank's share of the experts: sliced there, with the reason.
+    cpu = R.resolve({envs.EXPERT_PARALLEL: "on"}, cpu_build=True, tensor_parallel_size=2, cpus=(0, 1),
+                    memory_available=8 << 30)  # fmt: skip
+    assert not cpu.expert_parallel and "--enable-expert-parallel" not in cpu.engine_args()
+    assert "CPU build" in cpu.expert_parallel_note
     # The deployment travels to vLLM's processes whole, the new field with it.
     assert R.from_json(json.loads(json.dumps(R._to_json(wide)))) == wide
 

@@ -59,13 +59,13 @@ Arguments: (list enabled "monitoring.coreos.com/v1/Kind" .Capabilities). Returns
 {{/* Values that must be set, checked once (Deployment template). */}}
 {{- define "qwen4exp.validate" -}}
 {{- if not .Values.model.hostPath -}}
-{{- $_ := required "model.existingClaim is required: the PVC that holds the checkpoint (or set model.hostPath)" .Values.model.existingClaim -}}
+{{- $_ := required "model.existingClaim is required: the PVC that holds the checkpoint (or set model.persistence.create=true, or model.hostPath)" (include "qwen4exp.modelClaim" .) -}}
 {{- end -}}
 {{- if not .Values.apiKeys.existingSecret -}}
 {{- $_ := required "apiKeys.existingSecret or apiKeys.keys is required: the service refuses to run without API keys" (first .Values.apiKeys.keys) -}}
 {{- end -}}
-{{- if and .Values.sidecar.enabled (not .Values.sidecar.existingConfigMap) (not .Values.sidecar.kvScales) -}}
-{{- fail "sidecar.kvScales (or sidecar.existingConfigMap) is required while sidecar.enabled: the FP8 QSA KV cache needs per-layer scales (python -m model.qsa_kv.merge); or set sidecar.enabled=false and engine.kvCacheDtype=auto" -}}
+{{- if and .Values.sidecar.enabled (eq (toString .Values.sidecar.source) "configMap") (not .Values.sidecar.existingConfigMap) (not .Values.sidecar.kvScales) -}}
+{{- fail "sidecar.kvScales (or sidecar.existingConfigMap) is required while sidecar.enabled: the FP8 QSA KV cache needs per-layer scales (python -m model.qsa_kv.merge), or sidecar.source=modelVolume to read the qsa-kv-scales.json prepare.calibrate writes next to the checkpoint; or set sidecar.enabled=false and engine.kvCacheDtype=auto" -}}
 {{- end -}}
 {{- if and (eq (toString .Values.engine.kvCacheDtype) "fp8") (not .Values.sidecar.enabled) -}}
 {{- fail "engine.kvCacheDtype=fp8 needs the KV scales sidecar (sidecar.enabled=true)" -}}
@@ -77,4 +77,5 @@ Arguments: (list enabled "monitoring.coreos.com/v1/Kind" .Capabilities). Returns
 {{- if le (int .Values.terminationGracePeriodSeconds) (int $minGrace) -}}
 {{- fail (printf "terminationGracePeriodSeconds (%v) must exceed preStopSleepSeconds + engine.drainSeconds (%v)" .Values.terminationGracePeriodSeconds $minGrace) -}}
 {{- end -}}
+{{- include "qwen4exp.prepare.validate" . -}}
 {{- end -}}

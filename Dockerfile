@@ -35,8 +35,7 @@
 #   compatibility. Where the runtime's check does not run (CDI, NVIDIA_DISABLE_REQUIRE),
 #   `python -m service` runs its own preflight (service/cuda_preflight.py) and exits 3 naming the
 #   driver needed and found.
-ARG UV_VERSION=0.13.9
-FROM ghcr.io/astral-sh/uv:${UV_VERSION} AS uv
+FROM ghcr.io/astral-sh/uv:0.13.9 AS uv
 
 FROM nvidia/cuda:13.0.2-base-ubuntu24.04 AS base
 

@@ -108,16 +108,17 @@ def resolve(tag: str) -> str:
     return digest
 
 
-def rewrite(root: Path, pins: dict[tuple[str, int], str], refs: list[Ref]) -> None:
-    """Write ``tag@digest`` over each reference in ``pins`` (keyed by file and offset)."""
+def rewrite(root: Path, pins: list[tuple[Ref, str]]) -> None:
+    """Write ``tag@digest`` over each pinned reference, from the end of each file backwards so the
+    offsets of the earlier ones stay valid."""
     for name in FILES:
-        mine = sorted((r for r in refs if r.file == name and (name, r.start) in pins), key=lambda r: -r.start)
+        mine = sorted(((r, d) for r, d in pins if r.file == name), key=lambda p: -p[0].start)
         if not mine:
             continue
         path = root / name
         text = path.read_text()
-        for r in mine:
-            text = text[: r.start] + f"{r.tag}@{pins[(name, r.start)]}" + text[r.end :]
+        for r, digest in mine:
+            text = text[: r.start] + f"{r.tag}@{digest}" + text[r.end :]
         path.write_text(text)
 
 
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if any(r.digest is None for r in refs) else 0
 
     resolved: dict[str, str] = {}
-    pins: dict[tuple[str, int], str] = {}
+    pins: list[tuple[Ref, str]] = []
     problems = []
     for r in refs:
         if not (args.refresh or args.check) and r.digest is not None:
@@ -160,12 +161,12 @@ def main(argv: list[str] | None = None) -> int:
                     "review the release, then: python3 deploy/pin_images.py --refresh"
                 )
         elif r.digest != now:
-            pins[(r.file, r.start)] = now
+            pins.append((r, now))
             print(f"{r.file}: {r.tag} -> {now}" + (f" (was {r.digest})" if r.digest else ""))
     if args.check:
         print("\n".join(problems) or f"all {len(refs)} image references pinned and current")
         return 1 if problems else 0
-    rewrite(args.root, pins, refs)
+    rewrite(args.root, pins)
     if not pins:
         print(f"nothing to change: all {len(refs)} image references pinned")
     return 0
